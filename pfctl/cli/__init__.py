@@ -1,0 +1,1 @@
+"""The Typer command line. Thin: parse options into a config, call ``pfctl.api``, render."""

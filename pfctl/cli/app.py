@@ -1,0 +1,57 @@
+"""The root ``pfctl`` command: an index of subcommands (each in its own module)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from pfctl import __version__
+from pfctl.cli import encode_latents, generate, train, verify_groupnorm
+from pfctl.cli._common import STATE
+
+app = typer.Typer(
+    name="pfctl",
+    help=(
+        "Train and run pyramidal-flow-matching video diffusion models (Pyramid Flow).\n\n"
+        "Data flows one way: videos → encode-latents → train → generate → mp4."
+    ),
+    no_args_is_help=True,
+    add_completion=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"pfctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")] = False,
+) -> None:
+    """Train and run pyramidal-flow-matching video diffusion models."""
+    if debug:
+        STATE["debug"] = True
+
+
+for module, name in (
+    (encode_latents, "encode-latents"),
+    (train, "train"),
+    (generate, "generate"),
+    (verify_groupnorm, "verify-groupnorm"),
+):
+    app.command(name, help=module.HELP, epilog=getattr(module, "EPILOG", None))(
+        getattr(module, name.replace("-", "_"))
+    )
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app(prog_name="pfctl")
