@@ -1,0 +1,33 @@
+"""Shared fixtures. Tiny models are built in the tests; nothing is downloaded."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_REFERENCE_DIR = REPO.parent / "shared" / "reference" / "pyramid_flow"
+
+
+def reference_dir() -> Path | None:
+    """The reference-vector folder: ``$PFCTL_REFERENCE_DIR`` or ``../shared/reference/pyramid_flow``."""
+    path = Path(os.environ.get("PFCTL_REFERENCE_DIR", DEFAULT_REFERENCE_DIR))
+    return path if path.is_dir() else None
+
+
+@pytest.fixture(scope="session")
+def refdir() -> Path:
+    path = reference_dir()
+    if path is None:
+        pytest.skip("reference vectors not found: set PFCTL_REFERENCE_DIR (default ../shared/reference/pyramid_flow)")
+    return path
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _threads():
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("PFCTL_TEST_THREADS", "2")))
+    yield
