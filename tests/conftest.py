@@ -20,8 +20,12 @@ def reference_dir() -> Path | None:
 @pytest.fixture(scope="session")
 def refdir() -> Path:
     path = reference_dir()
+    if path is None and os.environ.get("PFCTL_REQUIRE_REFERENCE"):
+        pytest.fail(f"PFCTL_REQUIRE_REFERENCE is set but {os.environ.get('PFCTL_REFERENCE_DIR')} is missing")
     if path is None:
-        pytest.skip("reference vectors not found: set PFCTL_REFERENCE_DIR (default ../shared/reference/pyramid_flow)")
+        pytest.skip(
+            "reference vectors not found: set PFCTL_REFERENCE_DIR (default ../shared/reference/pyramid_flow)"
+        )
     return path
 
 

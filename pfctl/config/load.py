@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 from collections.abc import Iterable, Mapping
@@ -70,6 +71,10 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
+    if isinstance(value, str):
+        # YAML 1.1 reads "1e-4" as a string; people mean a number.
+        with contextlib.suppress(ValueError):
+            value = float(value) if value.strip().lower() not in ("nan", "inf", "-inf", "infinity") else value
     return key.split("."), value
 
 

@@ -1,0 +1,106 @@
+"""The root command: help, version, fast start, completions, error → exit code."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pfctl import __version__
+from pfctl.cli.app import app
+
+REPO = Path(__file__).resolve().parents[2]
+COMMANDS = ["encode-latents", "train", "generate", "verify-groupnorm"]
+runner = CliRunner()
+
+
+def test_root_help_lists_every_command() -> None:
+    result = runner.invoke(app, ["--help"], prog_name="pfctl")
+    assert result.exit_code == 0
+    for name in COMMANDS:
+        assert name in result.output
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_command_help_has_an_example(name: str) -> None:
+    result = runner.invoke(app, [name, "--help"], prog_name="pfctl")
+    assert result.exit_code == 0, result.output
+    assert "Example" in result.output
+    assert "--recipe" in result.output and "--set" in result.output and "--print-config" in result.output
+
+
+def test_version() -> None:
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"pfctl {__version__}"
+
+
+def test_help_is_fast_and_imports_no_heavy_module() -> None:
+    code = (
+        "import sys, time; t = time.perf_counter();"
+        "from pfctl.cli.app import app;"
+        "from typer.testing import CliRunner; r = CliRunner().invoke(app, ['--help']);"
+        "heavy = [m for m in ('torch', 'diffusers', 'accelerate', 'transformers', 'decord', 'av', 'safetensors')"
+        " if m in sys.modules];"
+        "import json; print(json.dumps({'heavy': heavy, 'code': r.exit_code, 's': time.perf_counter() - t}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    info = json.loads(out.strip().splitlines()[-1])
+    assert info["heavy"] == [] and info["code"] == 0
+
+
+def test_pfctl_help_returns_quickly() -> None:
+    exe = Path(sys.executable).with_name("pfctl")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "pfctl"]
+    subprocess.run([*cmd, "--help"], capture_output=True, check=True)  # warm the file cache
+    best = min(_timed([*cmd, "--help"]) for _ in range(3))
+    assert best < 0.5, f"pfctl --help took {best:.2f} s"
+
+
+def _timed(cmd: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(cmd, capture_output=True, check=True)
+    return time.perf_counter() - start
+
+
+def test_python_dash_m_runs() -> None:
+    proc = subprocess.run([sys.executable, "-m", "pfctl", "--version"], capture_output=True, text=True)
+    assert proc.returncode == 0 and __version__ in proc.stdout
+
+
+def test_completions_are_current() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "gen_completions.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--set", "train.no_such_key=1"], "unknown key 'train.no_such_key'"),
+        (["--set", "runtime.device=gpu"], "runtime.device = 'gpu'"),
+        (["--set", "trian.lr=1"], "did you mean 'train'?"),
+        (["--set", "justakey"], "bad override"),
+        (["--recipe", "no-such-recipe"], "neither a file nor a known recipe"),
+    ],
+)
+@pytest.mark.parametrize("name", COMMANDS)
+def test_bad_config_exits_2_with_the_key_named(name: str, args: list[str], needle: str) -> None:
+    result = runner.invoke(app, [name, *args, "--print-config"], prog_name="pfctl")
+    assert result.exit_code == 2, result.output
+    assert needle in result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_print_config_shows_the_override(name: str) -> None:
+    result = runner.invoke(app, [name, "--set", "runtime.seed=7", "--print-config"], prog_name="pfctl")
+    assert result.exit_code == 0, result.output
+    assert "seed: 7" in result.output

@@ -1,0 +1,100 @@
+"""Recipe loading: YAML → --set → flags → validated config, and its error messages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pfctl.config import dump_config, load_config, parse_override
+from pfctl.config.load import RECIPES_DIR, available_recipes
+from pfctl.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("text", "path", "value"),
+    [
+        ("train.lr=1e-4", ["train", "lr"], 1e-4),
+        ("runtime.seed=3", ["runtime", "seed"], 3),
+        ("model.path=/data/pyramid flow", ["model", "path"], "/data/pyramid flow"),
+        ("a.b=[1, 2]", ["a", "b"], [1, 2]),
+        ("a.b=true", ["a", "b"], True),
+        ("a.b=", ["a", "b"], None),
+        ("a.b=x=y", ["a", "b"], "x=y"),
+    ],
+)
+def test_parse_override(text: str, path: list[str], value: object) -> None:
+    assert parse_override(text) == (path, value)
+
+
+@pytest.mark.parametrize("text", ["novalue", "=3", "a..b=1", ".a=1"])
+def test_bad_override_is_a_config_error(text: str) -> None:
+    with pytest.raises(ConfigError, match="bad override"):
+        parse_override(text)
+
+
+def test_precedence_defaults_recipe_set_flags(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("runtime:\n  seed: 1\n  device: cpu\n")
+    assert load_config().runtime.seed == 42
+    assert load_config(str(recipe)).runtime.seed == 1
+    assert load_config(str(recipe), ["runtime.seed=2"]).runtime.seed == 2
+    cfg = load_config(str(recipe), ["runtime.seed=2"], {"runtime.seed": 3, "runtime.log_format": None})
+    assert cfg.runtime.seed == 3 and cfg.runtime.device == "cpu" and cfg.runtime.log_format == "auto"
+
+
+def test_unknown_key_names_key_and_suggests(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["runtime.sed=1"])
+    assert "runtime.sed" in info.value.message and "runtime.seed" in (info.value.hint or "")
+
+
+def test_bad_value_names_key_value_and_allowed() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["runtime.mixed_precision=fp8"])
+    text = str(info.value)
+    assert "runtime.mixed_precision" in text and "'fp8'" in text and "'bf16'" in text
+
+
+def test_wrong_type_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"runtime\.seed = 'abc'"):
+        load_config(None, ["runtime.seed=abc"])
+
+
+def test_recipe_must_be_a_mapping(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config(str(bad))
+    bad.write_text("runtime: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(bad))
+
+
+def test_yaml_is_loaded_safely(tmp_path: Path) -> None:
+    evil = tmp_path / "evil.yaml"
+    evil.write_text("description: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(evil))
+
+
+def test_config_is_frozen() -> None:
+    cfg = load_config()
+    with pytest.raises(Exception):  # noqa: B017 - pydantic raises ValidationError on assignment
+        cfg.runtime.seed = 5  # type: ignore[misc]
+
+
+def test_dump_then_load_round_trips(tmp_path: Path) -> None:
+    cfg = load_config(None, ["runtime.seed=9"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(dump_config(cfg))
+    assert load_config(str(path)) == cfg
+
+
+@pytest.mark.parametrize("name", available_recipes())
+def test_every_shipped_recipe_loads(name: str) -> None:
+    cfg = load_config(name)
+    assert cfg == load_config(str(RECIPES_DIR / f"{name}.yaml"))
+    raw = yaml.safe_load((RECIPES_DIR / f"{name}.yaml").read_text())
+    assert isinstance(raw, dict) and raw.get("description"), "every recipe says what it is for"
