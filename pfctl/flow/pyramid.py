@@ -1,0 +1,534 @@
+"""Spatial/temporal pyramids and the training-noise construction of Pyramid Flow.
+
+Everything here is a pure function of tensors plus a :class:`RandomSource` (a ``torch.Generator``,
+the global RNG, or a list of pre-drawn tensors so parity tests can replay the reference's draws).
+No function modifies its inputs.
+
+Batch packing (training): a batch of ``B`` clips is split into ``K = sum(sample_ratios)``
+interleaved *columns*; column ``k`` takes batch rows ``k::K`` and trains stage
+``column_to_stage[k]`` (``[0, 1, 1, 2]`` for the reference ratios ``(1, 2, 1)``). The DiT input is a
+list with one entry per column; its text/timestep rows are ordered ``r = b*K + k`` — which is just
+the original batch order, so text features need no reordering.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from pfctl.errors import ConfigError
+from pfctl.flow.scheduler import PyramidFlowScheduler
+
+__all__ = [
+    "DEFAULT_SAMPLE_RATIOS",
+    "PyramidBatch",
+    "RandomSource",
+    "StageLengthPlan",
+    "build_full_sequence_batch",
+    "build_temporal_pyramid_batch",
+    "column_to_stage",
+    "denormalize_pyramid_latents",
+    "downsample2",
+    "endpoints_from_velocity",
+    "flow_target",
+    "history_clips",
+    "history_layout",
+    "interpolate",
+    "normalize_pyramid_latents",
+    "plan_stage_lengths",
+    "pyramid_latents",
+    "pyramid_noise",
+    "sample_stage_length",
+    "stage_endpoints",
+    "upsample_nearest2",
+]
+
+DEFAULT_SAMPLE_RATIOS: tuple[int, ...] = (1, 2, 1)
+
+# Latent normalisation of the released Pyramid Flow (miniFLUX) checkpoints: z' = (z - shift) * scale,
+# image factors for latent frame 0 (the causal VAE encodes it alone), video factors for the others.
+FLUX_IMAGE_SHIFT = -0.04
+FLUX_IMAGE_SCALE = 1 / 1.8726
+SD3_IMAGE_SHIFT = 0.1490
+SD3_IMAGE_SCALE = 1 / 1.8415
+VIDEO_SHIFT = -0.2343
+VIDEO_SCALE = 1 / 3.0986
+
+
+# --------------------------------------------------------------------------- resampling
+def _framewise(x: torch.Tensor, fn) -> torch.Tensor:
+    """Apply a 2-D op to every frame of ``(B, C, T, H, W)`` (the reference's ``(b t) c h w`` layout)."""
+    b, c, t, h, w = x.shape
+    frames = x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
+    out = fn(frames)
+    return out.reshape(b, t, c, out.shape[-2], out.shape[-1]).permute(0, 2, 1, 3, 4)
+
+
+def downsample2(x: torch.Tensor) -> torch.Tensor:
+    """Bilinear /2 of every frame (align_corners=False: each output is its 2x2 block's mean)."""
+    h, w = x.shape[-2] // 2, x.shape[-1] // 2
+    return _framewise(x, lambda f: F.interpolate(f, size=(h, w), mode="bilinear"))
+
+
+def upsample_nearest2(x: torch.Tensor) -> torch.Tensor:
+    """Nearest x2 of every frame (each value becomes a 2x2 block)."""
+    h, w = x.shape[-2] * 2, x.shape[-1] * 2
+    return _framewise(x, lambda f: F.interpolate(f, size=(h, w), mode="nearest"))
+
+
+def pyramid_latents(x: torch.Tensor, num_stages: int = 3) -> list[torch.Tensor]:
+    """Clean latents of every stage, lowest resolution first (bilinear /2 per level)."""
+    levels = [x]
+    for _ in range(num_stages - 1):
+        levels.append(downsample2(levels[-1]))
+    return levels[::-1]
+
+
+def pyramid_noise(noise: torch.Tensor, num_stages: int = 3) -> list[torch.Tensor]:
+    """Noise of every stage from one full-resolution draw, lowest resolution first.
+
+    A 2x2 average of unit-variance i.i.d. noise has std 1/2, so each level is multiplied by 2 to
+    stay unit-variance; using the *same* draw keeps the stages' noise consistent with each other.
+    """
+    levels = [noise]
+    for _ in range(num_stages - 1):
+        levels.append(downsample2(levels[-1]) * 2)
+    return levels[::-1]
+
+
+# ---------------------------------------------------------------------- normalisation
+def normalize_pyramid_latents(
+    z: torch.Tensor,
+    *,
+    image_shift: float = FLUX_IMAGE_SHIFT,
+    image_scale: float = FLUX_IMAGE_SCALE,
+    video_shift: float = VIDEO_SHIFT,
+    video_scale: float = VIDEO_SCALE,
+) -> torch.Tensor:
+    """``(z - shift) * scale`` per latent frame: frame 0 with image factors, later frames with
+    video factors (defaults: the miniFLUX release). Returns a new tensor (the reference edits its
+    input in place; pfctl never does). The VAE adapter's ``normalize`` is the preferred entry point
+    for commands; this is the pure formula the adapter and the parity tests share."""
+    out = torch.empty_like(z)
+    out[:, :, :1] = (z[:, :, :1] - image_shift) * image_scale
+    if z.shape[2] > 1:
+        out[:, :, 1:] = (z[:, :, 1:] - video_shift) * video_scale
+    return out
+
+
+def denormalize_pyramid_latents(
+    z: torch.Tensor,
+    *,
+    image_shift: float = FLUX_IMAGE_SHIFT,
+    image_scale: float = FLUX_IMAGE_SCALE,
+    video_shift: float = VIDEO_SHIFT,
+    video_scale: float = VIDEO_SCALE,
+) -> torch.Tensor:
+    """Inverse of :func:`normalize_pyramid_latents` (``z / scale + shift``, as the reference decode)."""
+    out = torch.empty_like(z)
+    out[:, :, :1] = z[:, :, :1] / image_scale + image_shift
+    if z.shape[2] > 1:
+        out[:, :, 1:] = z[:, :, 1:] / video_scale + video_shift
+    return out
+
+
+# ------------------------------------------------------------------------ randomness
+class RandomSource:
+    """Where the training-noise builders get their random numbers.
+
+    * ``RandomSource.of(generator)``: draws from that ``torch.Generator`` (on its device);
+    * ``RandomSource.of(None)``: draws from torch's global RNG, in the reference's order;
+    * ``RandomSource.of([t0, t1, ...])``: replays pre-drawn tensors in order (parity tests); the
+      shape of every replayed tensor is checked against the draw the builder asks for.
+
+    Draw kinds: ``randn_like(ref)`` (standard normal, ref's shape/dtype) and ``rand(n)`` (uniform
+    [0, 1), float32).
+    """
+
+    def __init__(self, generator: torch.Generator | None = None, draws: Iterable[torch.Tensor] | None = None):
+        self.generator = generator
+        self._draws = None if draws is None else list(draws)
+        self._next = 0
+
+    @classmethod
+    def of(cls, rng: RandomSource | torch.Generator | Iterable[torch.Tensor] | None) -> RandomSource:
+        if isinstance(rng, RandomSource):
+            return rng
+        if rng is None or isinstance(rng, torch.Generator):
+            return cls(generator=rng)
+        return cls(draws=rng)
+
+    def _replay(self, shape: Sequence[int], kind: str) -> torch.Tensor:
+        assert self._draws is not None
+        if self._next >= len(self._draws):
+            raise ValueError(
+                f"ran out of given random draws: draw #{self._next} ({kind} {list(shape)}) requested"
+            )
+        draw = self._draws[self._next]
+        if tuple(draw.shape) != tuple(shape):
+            raise ValueError(
+                f"given random draw #{self._next} has shape {list(draw.shape)}, the builder needs {kind} {list(shape)}"
+            )
+        self._next += 1
+        return draw
+
+    def randn_like(self, ref: torch.Tensor) -> torch.Tensor:
+        if self._draws is not None:
+            return self._replay(ref.shape, "randn").to(device=ref.device, dtype=ref.dtype)
+        if self.generator is None:
+            return torch.randn_like(ref)
+        out = torch.randn(ref.shape, generator=self.generator, device=self.generator.device, dtype=ref.dtype)
+        return out.to(ref.device)
+
+    def rand(self, n: int, device: torch.device | str | None = None) -> torch.Tensor:
+        if self._draws is not None:
+            return self._replay((n,), "rand").to(device=device, dtype=torch.float32)
+        gen_device = self.generator.device if self.generator is not None else "cpu"
+        return torch.rand((n,), generator=self.generator, device=gen_device).to(device)
+
+    @property
+    def remaining(self) -> int:
+        """Given draws not consumed yet (0 for generator sources)."""
+        return 0 if self._draws is None else len(self._draws) - self._next
+
+
+# ------------------------------------------------------------ unit allocation (AR training)
+@dataclass(frozen=True)
+class StageLengthPlan:
+    """Validated unit-allocation settings of temporal-pyramid training.
+
+    ``max_units`` (M) = latent units of the longest training clip (``1 + (max_frames - 1) //
+    frame_per_unit``); ``group_size`` (G) = ``video_sync_group``. Ranks of one sync group read the
+    same clips; rank r trains the high-res position ``r % G + 1 + turn * G``, ``turn`` cycling through
+    ``M // G`` values, so the group covers positions 1..M in M // G micro-steps.
+    """
+
+    max_units: int
+    group_size: int
+
+    @property
+    def turns(self) -> int:
+        return self.max_units // self.group_size
+
+    def lengths(self, counter: int, rank: int, clip_units: int | None = None) -> tuple[int, int, int]:
+        """``(low, mid, high)`` units for call number ``counter`` (see :func:`sample_stage_length`)."""
+        if counter < 0 or rank < 0:
+            raise ValueError(f"counter and rank must be >= 0, got counter={counter}, rank={rank}")
+        # The reference increments its counter *before* use: call 0 uses turn 1 (mod turns).
+        turn = (counter + 1) % self.turns
+        high = max(rank % self.group_size + 1 + turn * self.group_size, 1)
+        mid = max(1 + self.max_units - high, 1)
+        low = mid  # low and mid always get the same length ("token length sum fixed": mid + high = M + 1)
+        if clip_units is not None:
+            if clip_units < 1:
+                raise ValueError(f"clip_units must be >= 1, got {clip_units}")
+            low, mid, high = min(low, clip_units), min(mid, clip_units), min(high, clip_units)
+        return low, mid, high
+
+
+def plan_stage_lengths(max_units: int, group_size: int) -> StageLengthPlan:
+    """Check M and G before training starts (the reference divides by zero when G > M and silently
+    never trains positions > G * (M // G) when G does not divide M)."""
+    if max_units < 1:
+        raise ConfigError(
+            f"max latent units per clip M={max_units} must be >= 1",
+            hint="set train.max_frames to at least 1 latent frame",
+        )
+    if group_size < 1:
+        raise ConfigError(
+            f"video sync group G={group_size} must be >= 1", hint="use 1 to disable sync groups"
+        )
+    if group_size > max_units:
+        raise ConfigError(
+            f"video sync group G={group_size} is larger than the max latent units per clip M={max_units}",
+            hint=f"choose G <= {max_units} with {max_units} % G == 0 (e.g. G={_largest_divisor_at_most(max_units, group_size)})",
+        )
+    if max_units % group_size:
+        raise ConfigError(
+            f"max latent units per clip M={max_units} is not a multiple of the video sync group G={group_size}",
+            hint=f"positions above {group_size * (max_units // group_size)} would never be trained; "
+            f"choose G dividing {max_units} (e.g. G={_largest_divisor_at_most(max_units, group_size)}) or change max_frames",
+        )
+    return StageLengthPlan(max_units=int(max_units), group_size=int(group_size))
+
+
+def _largest_divisor_at_most(m: int, g: int) -> int:
+    return max(d for d in range(1, min(m, g) + 1) if m % d == 0)
+
+
+def sample_stage_length(
+    counter: int, rank: int, group_size: int, max_units: int, clip_units: int | None = None
+) -> tuple[int, int, int]:
+    """Units ``(low, mid, high)`` trained per stage column for one forward (pure).
+
+    ``counter`` is the 0-based index of this call — the number of forwards (micro-batches, gradient
+    accumulation included) this rank ran before. The reference keeps a counter that it increments
+    *before* use, so call 0 uses ``turn = 1 % (M // G)``; passing the call index reproduces that.
+    ``rank`` is the global rank (only ``rank % G`` matters); ``max_units`` is M; ``clip_units`` clamps
+    all three to the current clip's units (shorter clips). Raises ``ConfigError`` for invalid M/G.
+    """
+    return plan_stage_lengths(max_units, group_size).lengths(counter, rank, clip_units)
+
+
+# ------------------------------------------------------------------- history layout
+def history_layout(stage: int, num_history_units: int, frame_per_unit: int = 1) -> list[tuple[int, slice]]:
+    """Which history frames the DiT sees, and at which stage's resolution, **newest first**.
+
+    Returns ``(stage_of_clip, frame_slice)`` pairs; the slices index a tensor holding exactly the
+    history frames (current unit excluded). Layout (temporal pyramid): the newest unit at the
+    current stage's resolution, then one unit per lower stage >= 1, then everything older in one
+    clip at stage 0's resolution. Shared by training and sampling, so both see the same context.
+    """
+    if num_history_units <= 0:
+        return []
+    fpu = frame_per_unit
+    layout = [(stage, slice(-fpu, None))]
+    taken, cur = 1, stage
+    while taken < num_history_units:
+        cur = max(cur - 1, 0)
+        if cur == 0:
+            break
+        taken += 1
+        layout.append((cur, slice(-(taken * fpu), -((taken - 1) * fpu))))
+    if cur == 0 and taken < num_history_units:
+        layout.append((0, slice(None, -(taken * fpu))))
+    return layout
+
+
+def history_clips(
+    history: Sequence[torch.Tensor], stage: int, num_history_units: int, frame_per_unit: int = 1
+) -> list[torch.Tensor]:
+    """Clean history clips for ``stage`` in chronological order (oldest first), per :func:`history_layout`.
+
+    ``history[k]`` holds the history frames at stage ``k``'s resolution.
+    """
+    clips = [history[k][:, :, sl] for k, sl in history_layout(stage, num_history_units, frame_per_unit)]
+    return clips[::-1]
+
+
+# ----------------------------------------------------------------------- endpoints
+def interpolate(start: torch.Tensor, end: torch.Tensor, ratio: torch.Tensor | float) -> torch.Tensor:
+    """Point at local ratio ``r`` on the stage path: ``r * start + (1 - r) * end`` (r = 1 is the start)."""
+    return ratio * start + (1 - ratio) * end
+
+
+def flow_target(start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+    """The velocity the DiT learns: ``start - end`` (constant along the straight path)."""
+    return start - end
+
+
+def endpoints_from_velocity(
+    x: torch.Tensor, velocity: torch.Tensor, ratio: torch.Tensor | float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Invert :func:`interpolate` given the velocity: ``start = x + (1 - r) v``, ``end = x - r v``.
+
+    ``end`` is the model's estimate of the stage's end point (the clean latent at the last stage).
+    """
+    return x + (1 - ratio) * velocity, x - ratio * velocity
+
+
+def column_to_stage(sample_ratios: Sequence[int]) -> list[int]:
+    """Stage of every column: ``(1, 2, 1) -> [0, 1, 1, 2]``."""
+    stages: list[int] = []
+    for stage, count in enumerate(sample_ratios):
+        stages.extend([stage] * int(count))
+    return stages
+
+
+def stage_endpoints(
+    scheduler: PyramidFlowScheduler,
+    stage: int,
+    clean: torch.Tensor,
+    noise: torch.Tensor,
+    prev_clean: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(start, end)`` of ``stage`` for clean latents ``clean`` (stage resolution) with the stage's noise.
+
+    start = noise (stage 0) or ``start_sigma * noise + (1 - start_sigma) * up2(prev_clean)``;
+    end = ``end_sigma * noise + (1 - end_sigma) * clean``, or ``clean`` for the last stage. The same
+    noise is used at both ends, so the straight path between them is a single flow.
+    """
+    table = scheduler.stages[stage]
+    if stage == 0:
+        start = noise
+    else:
+        if prev_clean is None:
+            raise ValueError(f"stage {stage} needs the previous stage's clean latents")
+        start = table.start_sigma * noise + (1 - table.start_sigma) * upsample_nearest2(prev_clean)
+    if stage == scheduler.num_stages - 1:
+        end = clean
+    else:
+        end = table.end_sigma * noise + (1 - table.end_sigma) * clean
+    return start, end
+
+
+# ------------------------------------------------------------------ training batches
+@dataclass
+class PyramidBatch:
+    """What one training forward needs.
+
+    ``sample[k]``: clips of column k (history oldest first, noisy current clip last);
+    ``timesteps``: ``[B]`` on the 0..1000 scale in DiT row order ``b*K + k``; ``targets[k]``: the
+    velocity ``start - end`` of column k's current clip; ``ratios[k]``: ``[Bc,1,1,1,1]`` local sigma.
+    """
+
+    sample: list[list[torch.Tensor]]
+    timesteps: torch.Tensor
+    targets: list[torch.Tensor]
+    ratios: list[torch.Tensor]
+    column_to_stage: list[int]
+    timesteps_per_column: list[torch.Tensor] = field(default_factory=list)
+    units_per_stage: tuple[int, ...] | None = None
+
+
+def _check_pyramid(pyramid: Sequence[torch.Tensor], scheduler: PyramidFlowScheduler, sample_ratios) -> int:
+    if len(pyramid) != scheduler.num_stages or len(sample_ratios) != scheduler.num_stages:
+        raise ConfigError(
+            f"{len(pyramid)} pyramid levels and {len(sample_ratios)} sample_ratios for {scheduler.num_stages} stages",
+            hint="give one latent level and one column ratio per stage",
+        )
+    total = pyramid[-1].shape[0]
+    k = int(sum(sample_ratios))
+    if total % k:
+        raise ConfigError(
+            f"batch size {total} is not a multiple of sum(sample_ratios)={k} (sample_ratios={list(sample_ratios)})",
+            hint=f"use a per-device batch size divisible by {k}",
+        )
+    return k
+
+
+def _draw_ratio(scheduler: PyramidFlowScheduler, stage: int, u: torch.Tensor, device):
+    n = scheduler.num_train_timesteps
+    idx = (u * n).long().clamp(0, n - 1).cpu()
+    table = scheduler.stages[stage]
+    return table.timesteps[idx].to(device), table.sigmas[idx].to(device)
+
+
+def _interleave(timesteps: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.unsqueeze(-1) for t in timesteps], dim=-1).reshape(-1)
+
+
+def build_temporal_pyramid_batch(
+    pyramid: Sequence[torch.Tensor],
+    scheduler: PyramidFlowScheduler,
+    units_per_stage: Sequence[int],
+    *,
+    sample_ratios: Sequence[int] = DEFAULT_SAMPLE_RATIOS,
+    corrupt_ratio: float = 1.0 / 3.0,
+    frame_per_unit: int = 1,
+    rng: RandomSource | torch.Generator | Iterable[torch.Tensor] | None = None,
+) -> PyramidBatch:
+    """Autoregressive temporal-pyramid training inputs (the ``--use_temporal_pyramid`` path).
+
+    ``pyramid``: normalised clean latents per stage, lowest resolution first (see
+    :func:`pyramid_latents`); ``units_per_stage``: ``(low, mid, high)`` from
+    :func:`sample_stage_length`. Column k of stage s with n units trains unit n (0-based n-1) at
+    stage s; its history is laid out per :func:`history_layout` and corrupted as
+    ``c * eps + (1 - c) * h`` with one ``c = U(0,1) * corrupt_ratio`` per sample shared by all its
+    history clips (robustness to the model's own imperfect past at inference).
+
+    RNG draw order (matches the reference, so given draws replay it): one ``randn`` over the
+    full-resolution latents; then per column ``rand(Bc)`` (timestep index), ``rand(Bc)``
+    (corruption strength, drawn even without history), and one ``randn`` per history clip, newest
+    first.
+    """
+    k_cols = _check_pyramid(pyramid, scheduler, sample_ratios)
+    rs = RandomSource.of(rng)
+    top = pyramid[-1]
+    dtype, device = top.dtype, top.device
+    bc = top.shape[0] // k_cols
+    t = top.shape[2]
+    fpu = int(frame_per_unit)
+    max_units = 1 + (t - 1) // fpu
+
+    noise_levels = pyramid_noise(rs.randn_like(top), scheduler.num_stages)
+    stages = column_to_stage(sample_ratios)
+    sample, targets, ratios, timesteps = [], [], [], []
+    for col, s in enumerate(stages):
+        n_units = min(int(units_per_stage[s]), max_units)
+        frames = 1 + (n_units - 1) * fpu
+        cur = slice(frames - fpu, frames)  # the unit being trained
+        clean = pyramid[s][col::k_cols]
+        prev = None if s == 0 else pyramid[s - 1][col::k_cols][:, :, cur]
+        start, end = stage_endpoints(
+            scheduler, s, clean[:, :, cur], noise_levels[s][col::k_cols][:, :, cur], prev
+        )
+
+        ts, r = _draw_ratio(scheduler, s, rs.rand(bc, device), device)
+        r = r.reshape(bc, 1, 1, 1, 1)
+        # r is float64, so the interpolation is evaluated in float64 (as the reference) then cast.
+        noisy = interpolate(start, end, r).to(dtype)
+        target = flow_target(start, end)
+
+        corrupt = (rs.rand(bc, device) * corrupt_ratio).reshape(bc, 1, 1, 1, 1)
+        history = [level[col::k_cols][:, :, : frames - fpu] for level in pyramid]
+        clips = []
+        for k, sl in history_layout(s, n_units - 1, fpu):  # newest first = draw order
+            h = history[k][:, :, sl]
+            clips.append((corrupt * rs.randn_like(h) + (1 - corrupt) * h).to(dtype))
+        sample.append([*clips[::-1], noisy])
+        targets.append(target)
+        ratios.append(r.to(dtype))
+        timesteps.append(ts.to(dtype))
+
+    return PyramidBatch(
+        sample=sample,
+        timesteps=_interleave(timesteps),
+        targets=targets,
+        ratios=ratios,
+        column_to_stage=stages,
+        timesteps_per_column=timesteps,
+        units_per_stage=tuple(int(u) for u in units_per_stage),
+    )
+
+
+def build_full_sequence_batch(
+    pyramid: Sequence[torch.Tensor],
+    scheduler: PyramidFlowScheduler,
+    *,
+    sample_ratios: Sequence[int] = DEFAULT_SAMPLE_RATIOS,
+    rng: RandomSource | torch.Generator | Iterable[torch.Tensor] | None = None,
+    draw_unused_corruption: bool = True,
+) -> PyramidBatch:
+    """Non-autoregressive training inputs: every column noises all T frames at once (no history).
+
+    Used for image training and full-sequence video training. RNG order: one full-resolution
+    ``randn``, then per column ``rand(Bc)`` for the timestep index and — with
+    ``draw_unused_corruption`` (reference RNG compatibility) — one more ``rand(Bc)`` that the
+    reference draws and never uses.
+    """
+    k_cols = _check_pyramid(pyramid, scheduler, sample_ratios)
+    rs = RandomSource.of(rng)
+    top = pyramid[-1]
+    dtype, device = top.dtype, top.device
+    bc = top.shape[0] // k_cols
+
+    noise_levels = pyramid_noise(rs.randn_like(top), scheduler.num_stages)
+    stages = column_to_stage(sample_ratios)
+    sample, targets, ratios, timesteps = [], [], [], []
+    for col, s in enumerate(stages):
+        prev = None if s == 0 else pyramid[s - 1][col::k_cols]
+        start, end = stage_endpoints(
+            scheduler, s, pyramid[s][col::k_cols], noise_levels[s][col::k_cols], prev
+        )
+        ts, r = _draw_ratio(scheduler, s, rs.rand(bc, device), device)
+        r = r.reshape(bc, 1, 1, 1, 1)
+        noisy = interpolate(start, end, r).to(dtype)
+        if draw_unused_corruption:
+            rs.rand(bc, device)
+        sample.append([noisy])
+        targets.append(flow_target(start, end))
+        ratios.append(r.to(dtype))
+        timesteps.append(ts.to(dtype))
+
+    return PyramidBatch(
+        sample=sample,
+        timesteps=_interleave(timesteps),
+        targets=targets,
+        ratios=ratios,
+        column_to_stage=stages,
+        timesteps_per_column=timesteps,
+    )

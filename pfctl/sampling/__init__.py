@@ -1,0 +1,7 @@
+"""Sampling loops (text-to-video, image-to-video) over the pyramidal flow; see :mod:`pfctl.sampling.sampler`."""
+
+from __future__ import annotations
+
+from pfctl.sampling.sampler import TextConditioning, generate_latents, guidance_schedule
+
+__all__ = ["TextConditioning", "generate_latents", "guidance_schedule"]
