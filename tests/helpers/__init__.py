@@ -1,0 +1,1 @@
+"""Shared builders for tests (tiny models, tiny checkpoint folders); nothing here downloads."""
