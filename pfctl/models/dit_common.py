@@ -1,0 +1,593 @@
+"""Pieces shared by the two pyramid DiTs (miniFLUX in ``dit_flux``, SD3-style MMDiT in ``dit_mmdit``).
+
+Both models take the same input: a list of *columns* (one per pyramid stage present in the batch), each a
+list of clips ``[Bc, C, t, h, w]`` ordered oldest history first, the clip being denoised last. Text rows are
+interleaved: row ``r = b*K + k`` belongs to column ``k``, item ``b``. Inside the network
+
+* image tokens of all columns are concatenated along the token axis (``[Bc, N, D]``, ``N = sum n_k``);
+* AdaLN modulation is per column (the timestep/pooled text of rows ``k::K``);
+* attention is per column, over ``[text_k ; image_k]``, with one boolean mask per column that encodes
+  text padding (padding only sees padding) and, optionally, temporal causality (a query at frame ``f``
+  sees keys at frames ``<= f``; text counts as frame 0).
+
+Everything that depends only on shapes (token counts, RoPE tables, masks) is computed once per forward in a
+:class:`PyramidLayout` and handed to every block, so no block rebuilds masks.
+
+Numerics follow the reference implementation exactly in float32 (same op order), so the parity vectors match
+to ~1e-7; nothing here reads the environment or touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import nn
+
+from pfctl.errors import ConfigError, InputError
+
+logger = logging.getLogger(__name__)
+
+ROPE_THETA = 10000
+TIMESTEP_FREQ_DIM = 256
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Timestep / pooled-text conditioning
+# ----------------------------------------------------------------------------------------------------------
+
+
+def timestep_embedding(
+    timesteps: torch.Tensor, dim: int = TIMESTEP_FREQ_DIM, max_period: int = 10000
+) -> torch.Tensor:
+    """Sinusoidal features of (possibly fractional) timesteps on the 0..1000 scale, ``[R] -> [R, dim]``.
+
+    Layout is ``[cos, sin]`` with frequencies ``exp(-ln(max_period) * i / (dim/2))`` (DDPM-style with
+    ``flip_sin_to_cos=True`` and no frequency shift), computed in float32 whatever the input dtype.
+    """
+    half = dim // 2
+    exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=timesteps.device) / half
+    args = timesteps[:, None].float() * torch.exp(exponent)[None, :]  # [R, half]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+class MLPEmbedder(nn.Module):
+    """``linear_1 -> SiLU -> linear_2``; the key names match the reference checkpoints."""
+
+    def __init__(self, in_dim: int, dim: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(in_dim, dim)
+        self.act = nn.SiLU()
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+class TimestepTextEmbedding(nn.Module):
+    """The conditioning vector ``temb = MLP(timestep features) + MLP(pooled text)``, one row per batch row."""
+
+    def __init__(self, dim: int, pooled_projection_dim: int) -> None:
+        super().__init__()
+        self.timestep_embedder = MLPEmbedder(TIMESTEP_FREQ_DIM, dim)
+        self.text_embedder = MLPEmbedder(pooled_projection_dim, dim)
+
+    def forward(self, timestep: torch.Tensor, pooled_projection: torch.Tensor) -> torch.Tensor:
+        freqs = timestep_embedding(timestep).to(dtype=pooled_projection.dtype)  # [R, 256]
+        return self.timestep_embedder(freqs) + self.text_embedder(pooled_projection)  # [R, D]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Norms, modulation, feed-forward
+# ----------------------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """RMS norm over the last axis with a learned scale; statistics in float32, output in the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        y = x * torch.rsqrt(variance + self.eps)  # float32 (promoted)
+        if self.weight.dtype in (torch.float16, torch.bfloat16):
+            y = y.to(self.weight.dtype)
+        return (y * self.weight).to(x.dtype)
+
+
+def make_qk_norm(kind: str | None, head_dim: int, eps: float) -> nn.Module | None:
+    """Per-head query/key norm: ``"rms_norm"``, ``"layer_norm"`` or ``None``."""
+    if kind is None:
+        return None
+    if kind == "rms_norm":
+        return RMSNorm(head_dim, eps=eps)
+    if kind == "layer_norm":
+        return nn.LayerNorm(head_dim, eps=eps)
+    raise ConfigError(
+        f"qk_norm={kind!r} is not supported",
+        hint="use 'rms_norm' (the released models), 'layer_norm' or null",
+    )
+
+
+def layer_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Parameter-free LayerNorm over the last axis (every AdaLN in these models uses this form)."""
+    return F.layer_norm(x, (x.shape[-1],), eps=eps)
+
+
+class AdaLNZero(nn.Module):
+    """``SiLU -> linear`` producing ``n_chunks`` modulation vectors per batch row.
+
+    Only the projection lives here; the norm itself is parameter-free (:func:`layer_norm`). Chunk order is the
+    reference's: 6 chunks = (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp), 3 chunks =
+    (shift, scale, gate).
+    """
+
+    def __init__(self, dim: int, n_chunks: int) -> None:
+        super().__init__()
+        self.n_chunks = n_chunks
+        self.linear = nn.Linear(dim, n_chunks * dim)
+
+    def forward(self, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.linear(F.silu(temb)).chunk(self.n_chunks, dim=-1)  # n x [R, D]
+
+
+class AdaLNContinuous(nn.Module):
+    """Final-layer style AdaLN: ``SiLU -> linear`` giving (scale, shift) -- note: scale first."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, 2 * dim)
+
+    def forward(self, temb: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        scale, shift = self.linear(F.silu(temb).to(dtype)).chunk(2, dim=-1)  # 2 x [R, D]
+        return scale, shift
+
+
+class GELUProj(nn.Module):
+    """Linear followed by tanh-approximated GELU (key ``proj``)."""
+
+    def __init__(self, dim_in: int, dim_out: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.proj(x), approximate="tanh")
+
+
+class FeedForward(nn.Module):
+    """Transformer MLP ``dim -> 4*dim -> dim``; keys ``net.0.proj`` and ``net.2`` as in the checkpoints."""
+
+    def __init__(self, dim: int, mult: int = 4) -> None:
+        super().__init__()
+        self.net = nn.ModuleList([GELUProj(dim, dim * mult), nn.Dropout(0.0), nn.Linear(dim * mult, dim)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.net:
+            x = layer(x)
+        return x
+
+
+def by_column(rows: torch.Tensor, num_columns: int) -> torch.Tensor:
+    """``[K*Bc, ...]`` interleaved rows (r = b*K + k) -> ``[Bc, K, ...]``."""
+    return rows.view(rows.shape[0] // num_columns, num_columns, *rows.shape[1:])
+
+
+def modulate_columns(
+    x: torch.Tensor, lengths: Sequence[int], shift: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    """``x * (1 + scale_k) + shift_k`` on the token segment of each column.
+
+    ``x`` is ``[Bc, sum(lengths), D]``; ``shift``/``scale`` are ``[Bc, K, D]``. Applied per segment with
+    broadcasting (instead of expanding the modulation to every token) so autograd keeps only ``[Bc, 1, D]``.
+    """
+    parts = x.split(list(lengths), dim=1)
+    out = [p * (1 + scale[:, k, None]) + shift[:, k, None] for k, p in enumerate(parts)]
+    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+
+
+def gate_columns(x: torch.Tensor, lengths: Sequence[int], gate: torch.Tensor) -> torch.Tensor:
+    """``gate_k * x`` on the token segment of each column (``gate``: ``[Bc, K, D]``)."""
+    parts = x.split(list(lengths), dim=1)
+    out = [gate[:, k, None] * p for k, p in enumerate(parts)]
+    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Positions, RoPE and masks
+# ----------------------------------------------------------------------------------------------------------
+
+
+def rope_tables(
+    positions: torch.Tensor, axes_dims: Sequence[int], theta: int = ROPE_THETA
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables for positions ``[S, A]`` (one column per axis) -> ``(cos, sin)``, each ``[S, sum(d)/2]``.
+
+    Axis ``a`` uses frequencies ``theta ** (-2i / d_a)``; angles are evaluated in float64 and rounded to float32
+    (as the reference does), axes are concatenated in order.
+    """
+    cos, sin = [], []
+    for a, d in enumerate(axes_dims):
+        if d % 2:
+            raise ConfigError(f"RoPE axis dims must be even, got {list(axes_dims)}", hint="e.g. [16, 24, 24]")
+        omega = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=positions.device) / d))
+        angles = positions[:, a].double()[:, None] * omega[None, :]  # [S, d/2]
+        cos.append(torch.cos(angles).float())
+        sin.append(torch.sin(angles).float())
+    return torch.cat(cos, dim=-1), torch.cat(sin, dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent channel pairs ``(x[2i], x[2i+1])`` of ``x [B, S, H, hd]`` by the table ``[S, hd/2]``.
+
+    Computed in float32 and returned in ``x``'s dtype (bf16 friendly).
+    """
+    pairs = x.float().unflatten(-1, (-1, 2))  # [B, S, H, hd/2, 2]
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    c, s = cos[:, None, :], sin[:, None, :]  # [S, 1, hd/2]
+    out = torch.stack([c * x0 - s * x1, s * x0 + c * x1], dim=-1)  # [B, S, H, hd/2, 2]
+    return out.flatten(-2).type_as(x)
+
+
+def with_text_identity(
+    cos: torch.Tensor, sin: torch.Tensor, lengths: Sequence[int], text_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tables for the single-stream layout ``[text_0; image_0; text_1; image_1; ...]``.
+
+    Text tokens sit at position 0 on every axis, i.e. the identity rotation (cos 1, sin 0).
+    """
+    ones = cos.new_ones(text_len, cos.shape[-1])
+    zeros = sin.new_zeros(text_len, sin.shape[-1])
+    cos_parts, sin_parts = [], []
+    for c, s in zip(cos.split(list(lengths), 0), sin.split(list(lengths), 0), strict=True):
+        cos_parts += [ones, c]
+        sin_parts += [zeros, s]
+    return torch.cat(cos_parts, 0), torch.cat(sin_parts, 0)
+
+
+def clip_frame_ids(clip_grids: Sequence[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
+    """Frame index of every image token of a column (clips in order, tokens t-major): ``[n]`` int64.
+
+    Clip ``j`` starts where clip ``j-1`` ended, so history frames precede the current clip's frames.
+    """
+    ids, start = [], 0
+    for t, h, w in clip_grids:
+        ids.append(torch.arange(start, start + t, device=device).repeat_interleave(h * w))
+        start += t
+    return torch.cat(ids)
+
+
+def build_column_masks(
+    text_valid: torch.Tensor,
+    frame_ids: Sequence[torch.Tensor],
+    num_columns: int,
+    temporal_causal: bool,
+) -> list[torch.Tensor]:
+    """One boolean attention mask ``[Bc, 1, L+n_k, L+n_k]`` per column (True = may attend).
+
+    ``text_valid`` is ``[K*Bc, L]`` (interleaved rows); ``frame_ids[k]`` is ``[n_k]``. A query sees a key iff
+    both are real tokens or both are text padding (padding tokens only see each other, so they never leak
+    into real tokens), and -- when ``temporal_causal`` -- the key's frame is not later than the query's
+    (text is frame 0). The diagonal is always allowed, so no row is empty.
+    """
+    valid_cols = by_column(text_valid, num_columns)  # [Bc, K, L]
+    bc, text_len = valid_cols.shape[0], valid_cols.shape[2]
+    masks = []
+    for k, frames in enumerate(frame_ids):
+        image_valid = valid_cols.new_ones(bc, frames.shape[0])
+        valid = torch.cat([valid_cols[:, k], image_valid], dim=1)  # [Bc, S]
+        mask = valid[:, :, None] == valid[:, None, :]  # [Bc, S, S]
+        if temporal_causal:
+            order = torch.cat([frames.new_zeros(text_len), frames])  # [S]
+            mask = mask & (order[:, None] >= order[None, :])[None]
+        masks.append(mask[:, None])  # [Bc, 1, S, S]
+    return masks
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA with an explicit boolean mask; ``q, k, v [B, S, H, hd]`` -> ``[B, Sq, H*hd]``.
+
+    Every attention call of both DiTs goes through here: PyTorch picks a fused kernel that accepts the mask
+    (memory-efficient / cuDNN on GPU, the flash-style CPU kernel), never one that would drop it.
+    """
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
+    )  # [B, H, Sq, hd]
+    return out.transpose(1, 2).flatten(2)  # [B, Sq, H*hd]
+
+
+@dataclass
+class PyramidLayout:
+    """Shape-derived state of one forward call, shared by all blocks (built once, never per block)."""
+
+    num_columns: int  # K
+    batch: int  # Bc, items per column
+    text_len: int  # L
+    image_lengths: list[int]  # n_k: image tokens of column k (all clips)
+    masks: list[torch.Tensor]  # per column [Bc, 1, L+n_k, L+n_k] bool
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin) [N, hd/2] for the image tokens
+    joint_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # same for [text_k; image_k] layout
+
+    @property
+    def joint_lengths(self) -> list[int]:
+        return [self.text_len + n for n in self.image_lengths]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Input checks and (un)patchify helpers
+# ----------------------------------------------------------------------------------------------------------
+
+
+def check_columns(sample: object) -> list[list[torch.Tensor]]:
+    """Validate the ``sample`` argument: a list of columns, each a list of 5-D clips (a bare tensor counts as a
+    one-clip column). Raises :class:`InputError` naming the offending column/clip."""
+    if not isinstance(sample, (list, tuple)) or len(sample) == 0:
+        raise InputError(
+            f"sample must be a non-empty list of columns, got {type(sample).__name__}",
+            hint="pass [[clip, ...], ...]: one list of clips [B, C, t, h, w] per column, current clip last",
+        )
+    columns = []
+    batch = None
+    for k, col in enumerate(sample):
+        clips = [col] if isinstance(col, torch.Tensor) else list(col)
+        if not clips:
+            raise InputError(f"sample[{k}] holds no clip", hint="each column needs at least its current clip")
+        for j, clip in enumerate(clips):
+            if not isinstance(clip, torch.Tensor) or clip.dim() != 5:
+                shape = tuple(clip.shape) if isinstance(clip, torch.Tensor) else type(clip).__name__
+                raise InputError(f"sample[{k}][{j}] must be a 5-D tensor [B, C, t, h, w], got {shape}")
+            if batch is None:
+                batch = clip.shape[0]
+            if clip.shape[0] != batch:
+                raise InputError(
+                    f"sample[{k}][{j}] has batch {clip.shape[0]}, expected {batch}",
+                    hint="every clip of every column must have the same batch size Bc",
+                )
+        columns.append(clips)
+    return columns
+
+
+def check_text_rows(num_columns: int, batch: int, **rows: torch.Tensor) -> None:
+    """Text/timestep inputs carry ``K*Bc`` interleaved rows; say which one does not."""
+    for name, tensor in rows.items():
+        if tensor is None:
+            raise InputError(f"{name} is required")
+        if tensor.dim() == 0 or tensor.shape[0] != num_columns * batch:
+            raise InputError(
+                f"{name} has shape {tuple(tensor.shape)}, expected {num_columns * batch} rows "
+                f"(K*Bc = {num_columns}*{batch})",
+                hint="rows are interleaved: row b*K + k belongs to column k, item b",
+            )
+
+
+def unpatchify(tokens: torch.Tensor, grid: tuple[int, int, int], patch: int) -> torch.Tensor:
+    """``[B, t*h*w, p*p*C]`` tokens (feature order p1, p2, c) -> ``[B, C, t, h*p, w*p]``."""
+    t, h, w = grid
+    b = tokens.shape[0]
+    x = tokens.reshape(b, t, h, w, patch, patch, -1)  # [B, t, h, w, p1, p2, C]
+    x = x.permute(0, 6, 1, 2, 4, 3, 5)  # [B, C, t, h, p1, w, p2]
+    return x.reshape(b, x.shape[1], t, h * patch, w * patch)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Attention and the dual-stream (MMDiT) block
+# ----------------------------------------------------------------------------------------------------------
+
+
+class DualStreamAttention(nn.Module):
+    """Joint attention of image tokens (all columns concatenated) with each column's text tokens.
+
+    Image q/k/v come from ``to_q/k/v``, text q/k/v from ``add_*_proj``; q and k are normed per head, image
+    q/k get RoPE (text sits at position 0: identity), then each column attends over ``[text_k; image_k]``
+    under its mask. ``context_norm_prefix`` is the key name of the text-side qk norms, which differs between
+    the two checkpoints (``norm_added`` for Flux, ``norm_add`` for MMDiT).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        head_dim: int,
+        qk_norm: str | None,
+        eps: float,
+        context_pre_only: bool,
+        context_norm_prefix: str,
+    ) -> None:
+        super().__init__()
+        inner = heads * head_dim
+        self.heads, self.head_dim = heads, head_dim
+        self.context_pre_only = context_pre_only
+        self.to_q = nn.Linear(dim, inner)
+        self.to_k = nn.Linear(dim, inner)
+        self.to_v = nn.Linear(dim, inner)
+        self.norm_q = make_qk_norm(qk_norm, head_dim, eps)
+        self.norm_k = make_qk_norm(qk_norm, head_dim, eps)
+        self.add_q_proj = nn.Linear(dim, inner)
+        self.add_k_proj = nn.Linear(dim, inner)
+        self.add_v_proj = nn.Linear(dim, inner)
+        self._ctx_q, self._ctx_k = f"{context_norm_prefix}_q", f"{context_norm_prefix}_k"
+        self.add_module(self._ctx_q, make_qk_norm(qk_norm, head_dim, eps))
+        self.add_module(self._ctx_k, make_qk_norm(qk_norm, head_dim, eps))
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Dropout(0.0)])
+        if not context_pre_only:
+            self.to_add_out = nn.Linear(inner, dim)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (self.heads, self.head_dim))  # [B, S, H*hd] -> [B, S, H, hd]
+
+    def forward(
+        self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, layout: PyramidLayout
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # image side: [Bc, N, D] -> [Bc, N, H, hd]
+        q = self._heads(self.to_q(hidden_states))
+        k = self._heads(self.to_k(hidden_states))
+        v = self._heads(self.to_v(hidden_states))
+        if self.norm_q is not None:
+            q, k = self.norm_q(q), self.norm_k(k)
+        if layout.rope is not None:
+            q, k = apply_rope(q, *layout.rope), apply_rope(k, *layout.rope)
+        # text side: [K*Bc, L, D] -> [Bc, K, L, H, hd]
+        norm_cq, norm_ck = getattr(self, self._ctx_q), getattr(self, self._ctx_k)
+        cq = self._heads(self.add_q_proj(encoder_hidden_states))
+        ck = self._heads(self.add_k_proj(encoder_hidden_states))
+        cv = self._heads(self.add_v_proj(encoder_hidden_states))
+        if norm_cq is not None:
+            cq, ck = norm_cq(cq), norm_ck(ck)
+        cq, ck, cv = (by_column(t, layout.num_columns) for t in (cq, ck, cv))
+
+        lengths, text_len = layout.image_lengths, layout.text_len
+        image_out, text_out = [], []
+        for col, (qi, ki, vi) in enumerate(
+            zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1), strict=True)
+        ):
+            out = masked_attention(
+                torch.cat([cq[:, col], qi], dim=1),  # [Bc, L+n_k, H, hd]
+                torch.cat([ck[:, col], ki], dim=1),
+                torch.cat([cv[:, col], vi], dim=1),
+                layout.masks[col],
+            )  # [Bc, L+n_k, H*hd]
+            text_out.append(out[:, :text_len])
+            image_out.append(out[:, text_len:])
+        image = self.to_out[1](self.to_out[0](torch.cat(image_out, dim=1)))  # [Bc, N, D]
+        if self.context_pre_only:
+            return image, None
+        text = torch.stack(text_out, dim=1).flatten(0, 1)  # [Bc, K, L, .] -> [Bc*K, L, .] rows b*K + k
+        return image, self.to_add_out(text)
+
+
+class DualStreamBlock(nn.Module):
+    """MMDiT block: separate weights for image and text streams, joint attention, per-column AdaLN-Zero on
+    the image stream and per-row AdaLN-Zero on the text stream. With ``context_pre_only`` (the last MMDiT
+    block) the text stream is only read: its AdaLN is the continuous (scale, shift) kind and it has no
+    output path."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_attention_heads: int,
+        attention_head_dim: int,
+        qk_norm: str | None,
+        eps: float,
+        context_pre_only: bool,
+        context_norm_prefix: str,
+    ) -> None:
+        super().__init__()
+        self.context_pre_only = context_pre_only
+        self.norm1 = AdaLNZero(dim, 6)
+        self.norm1_context = AdaLNContinuous(dim) if context_pre_only else AdaLNZero(dim, 6)
+        self.attn = DualStreamAttention(
+            dim, num_attention_heads, attention_head_dim, qk_norm, eps, context_pre_only, context_norm_prefix
+        )
+        self.ff = FeedForward(dim)
+        if not context_pre_only:
+            self.ff_context = FeedForward(dim)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        temb: torch.Tensor,
+        layout: PyramidLayout,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``hidden_states [Bc, N, D]``, ``encoder_hidden_states [K*Bc, L, D]``, ``temb [K*Bc, D]``."""
+        cols, lengths = layout.num_columns, layout.image_lengths
+        x, c = hidden_states, encoder_hidden_states
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
+            by_column(m, cols) for m in self.norm1(temb)
+        )  # each [Bc, K, D]
+        norm_x = modulate_columns(layer_norm(x), lengths, shift_msa, scale_msa)
+
+        if self.context_pre_only:
+            c_scale, c_shift = self.norm1_context(temb, c.dtype)  # [K*Bc, D]
+            norm_c = layer_norm(c) * (1 + c_scale[:, None]) + c_shift[:, None]
+        else:
+            c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(
+                temb
+            )
+            norm_c = layer_norm(c) * (1 + c_scale_msa[:, None]) + c_shift_msa[:, None]
+
+        attn_x, attn_c = self.attn(norm_x, norm_c, layout)
+
+        x = x + gate_columns(attn_x, lengths, gate_msa)
+        norm_x = modulate_columns(layer_norm(x), lengths, shift_mlp, scale_mlp)
+        x = x + gate_columns(self.ff(norm_x), lengths, gate_mlp)
+
+        if self.context_pre_only:
+            return x, None
+        c = c + c_gate_msa[:, None] * attn_c
+        norm_c = layer_norm(c) * (1 + c_scale_mlp[:, None]) + c_shift_mlp[:, None]
+        c = c + c_gate_mlp[:, None] * self.ff_context(norm_c)
+        if c.dtype == torch.float16:
+            c = c.clip(-65504, 65504)
+        return x, c
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Gradient checkpointing with one meaning for both DiTs
+# ----------------------------------------------------------------------------------------------------------
+
+
+def num_checkpointed(num_blocks: int, ratio: float) -> int:
+    """How many blocks are checkpointed: ``floor(num_blocks * ratio)``, counted from the input side."""
+    return math.floor(num_blocks * ratio + 1e-9)
+
+
+def check_ratio(ratio: float) -> None:
+    if not 0.0 <= float(ratio) <= 1.0:
+        raise ConfigError(
+            f"gradient_checkpointing_ratio={ratio} must be within [0, 1]",
+            hint="the first floor(num_blocks * ratio) blocks (input side) are checkpointed; 1.0 = all",
+        )
+
+
+class BlockCheckpointing:
+    """Mixin for the DiTs: checkpoints the blocks with execution index ``< floor(L * ratio)``, where ``L`` is
+    the total number of transformer blocks in execution order (Flux: double-stream then single-stream).
+
+    Active only when ``self.gradient_checkpointing`` is set (config ``use_gradient_checkpointing`` or
+    diffusers' ``enable_gradient_checkpointing()``), in training mode, with grad enabled.
+    """
+
+    gradient_checkpointing: bool
+    gradient_checkpointing_ratio: float
+
+    def blocks_in_order(self) -> list[tuple[str, nn.Module]]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def checkpointed_block_names(self) -> list[str]:
+        """Names (state-dict prefixes) of the blocks that are checkpointed when checkpointing is on."""
+        blocks = self.blocks_in_order()
+        n = num_checkpointed(len(blocks), self.gradient_checkpointing_ratio)
+        return [name for name, _ in blocks[:n]]
+
+    def _checkpoint_limit(self) -> int:
+        if not (self.gradient_checkpointing and self.training and torch.is_grad_enabled()):
+            return 0
+        check_ratio(self.gradient_checkpointing_ratio)
+        return num_checkpointed(len(self.blocks_in_order()), self.gradient_checkpointing_ratio)
+
+    def _run_block(self, index: int, limit: int, block: nn.Module, *args: object) -> object:
+        if index < limit:
+            fn: Callable | None = getattr(self, "_gradient_checkpointing_func", None)
+            if fn is not None:
+                return fn(block, *args)
+            return torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)
+        return block(*args)
+
+
+def note_flash_flag(model_name: str, use_flash_attn: bool) -> None:
+    """``use_flash_attn`` is kept for checkpoint compatibility only (see the model docstrings)."""
+    if use_flash_attn:
+        logger.info(
+            "%s: use_flash_attn=True is accepted but has no effect: attention always runs through SDPA with the "
+            "explicit text-padding/temporal-causal mask (the reference flash path silently dropped the causal "
+            "mask). PyTorch picks a fused kernel that supports the mask.",
+            model_name,
+        )

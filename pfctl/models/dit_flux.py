@@ -1,0 +1,351 @@
+"""miniFLUX pyramid DiT (``PyramidFluxTransformer``): double-stream blocks, then single-stream blocks.
+
+Checkpoint-compatible with the reference class of the same name (config fields and state-dict keys are the
+same, ``diffusion_pytorch_model.safetensors`` of the released ``diffusion_transformer_*`` folders loads with
+``strict=True``). The forward contract is described in :mod:`pfctl.models.dit_common`.
+
+Where pfctl deliberately differs from the reference (all documented, none affects the default numerics):
+
+* ``use_flash_attn`` is accepted and stored but has no effect: every attention call is SDPA with the explicit
+  boolean mask. The reference's flash-attn path ran without the temporal-causal mask; pfctl never drops it.
+* ``use_temporal_causal=False`` really removes the causal part of the mask (text padding stays masked).
+* ``interp_condition_pos=False`` really uses integer (y, x) positions ``0..n-1`` for every clip; the
+  reference ignored the flag and always interpolated lower-resolution history clips onto the current grid.
+* Gradient checkpointing covers blocks with execution index ``< floor(L * ratio)``, ``L`` = double + single
+  blocks counted from the input side (the reference used ``index <= int(len * ratio)`` per block list).
+* Patchify is a fixed 2x2 reshape as in the reference: ``in_channels`` = 4 x latent channels and the config
+  ``patch_size`` must stay 1 (it only sizes ``proj_out``).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.models.modeling_utils import ModelMixin
+from torch import nn
+
+from pfctl.errors import ConfigError, InputError
+from pfctl.models.dit_common import (
+    AdaLNContinuous,
+    AdaLNZero,
+    BlockCheckpointing,
+    DualStreamBlock,
+    PyramidLayout,
+    RMSNorm,
+    TimestepTextEmbedding,
+    apply_rope,
+    build_column_masks,
+    by_column,
+    check_columns,
+    check_ratio,
+    check_text_rows,
+    clip_frame_ids,
+    gate_columns,
+    layer_norm,
+    masked_attention,
+    modulate_columns,
+    note_flash_flag,
+    rope_tables,
+    unpatchify,
+    with_text_identity,
+)
+
+PATCH = 2  # the Flux DiT patchifies by a fixed 2x2 reshape (config patch_size only sizes proj_out)
+QK_EPS = 1e-6
+
+#: Constructor overrides the reference pipeline applies when it loads a released checkpoint folder.
+REFERENCE_LOAD_OVERRIDES: dict[str, object] = {"axes_dims_rope": [16, 24, 24]}
+
+
+class FluxTransformerBlock(DualStreamBlock):
+    """Double-stream block (image and text streams with their own weights, joint attention)."""
+
+    def __init__(self, dim: int, num_attention_heads: int, attention_head_dim: int) -> None:
+        super().__init__(
+            dim,
+            num_attention_heads,
+            attention_head_dim,
+            qk_norm="rms_norm",
+            eps=QK_EPS,
+            context_pre_only=False,
+            context_norm_prefix="norm_added",
+        )
+
+
+class FluxSingleAttention(nn.Module):
+    """Self-attention of the single-stream blocks (no output projection: ``proj_out`` of the block does it)."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        inner = heads * head_dim
+        self.to_q = nn.Linear(dim, inner)
+        self.to_k = nn.Linear(dim, inner)
+        self.to_v = nn.Linear(dim, inner)
+        self.norm_q = RMSNorm(head_dim, eps=QK_EPS)
+        self.norm_k = RMSNorm(head_dim, eps=QK_EPS)
+
+    def forward(self, x: torch.Tensor, layout: PyramidLayout) -> torch.Tensor:
+        """``x [Bc, sum(L+n_k), D]`` in the single-stream layout -> ``[Bc, sum(L+n_k), H*hd]``."""
+        q = self.norm_q(self.to_q(x).unflatten(-1, (self.heads, self.head_dim)))  # [Bc, T, H, hd]
+        k = self.norm_k(self.to_k(x).unflatten(-1, (self.heads, self.head_dim)))
+        v = self.to_v(x).unflatten(-1, (self.heads, self.head_dim))
+        q, k = apply_rope(q, *layout.joint_rope), apply_rope(k, *layout.joint_rope)
+        lengths = layout.joint_lengths
+        outs = [
+            masked_attention(qc, kc, vc, mask)
+            for qc, kc, vc, mask in zip(
+                q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1), layout.masks, strict=True
+            )
+        ]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+class FluxSingleTransformerBlock(nn.Module):
+    """Single-stream block on ``[text_k; image_k]`` per column: parallel attention + MLP, one AdaLN-Zero."""
+
+    def __init__(self, dim: int, num_attention_heads: int, attention_head_dim: int, mlp_ratio: float = 4.0):
+        super().__init__()
+        self.mlp_hidden_dim = int(dim * mlp_ratio)
+        self.norm = AdaLNZero(dim, 3)
+        self.proj_mlp = nn.Linear(dim, self.mlp_hidden_dim)
+        self.act_mlp = nn.GELU(approximate="tanh")
+        self.proj_out = nn.Linear(dim + self.mlp_hidden_dim, dim)
+        self.attn = FluxSingleAttention(dim, num_attention_heads, attention_head_dim)
+
+    def forward(self, hidden_states: torch.Tensor, temb: torch.Tensor, layout: PyramidLayout) -> torch.Tensor:
+        """``hidden_states [Bc, sum(L+n_k), D]``, ``temb [K*Bc, D]``."""
+        lengths = layout.joint_lengths
+        shift, scale, gate = (by_column(m, layout.num_columns) for m in self.norm(temb))  # each [Bc, K, D]
+        norm_x = modulate_columns(layer_norm(hidden_states), lengths, shift, scale)
+        mlp = self.act_mlp(self.proj_mlp(norm_x))  # [Bc, T, 4D]
+        attn = self.attn(norm_x, layout)  # [Bc, T, D]
+        out = hidden_states + gate_columns(self.proj_out(torch.cat([attn, mlp], dim=2)), lengths, gate)
+        if out.dtype == torch.float16:
+            out = out.clip(-65504, 65504)
+        return out
+
+
+class PyramidFluxTransformer(BlockCheckpointing, ModelMixin, ConfigMixin):
+    """miniFLUX DiT of Pyramid Flow (reference config fields; see the module docstring for the differences).
+
+    ``forward(sample, encoder_hidden_states, encoder_attention_mask, pooled_projections, timestep_ratio)``:
+
+    * ``sample``: list of K columns, each a list of clips ``[Bc, in_channels/4, t, h, w]`` (h, w even), oldest
+      history clip first, the clip being denoised last; history clips may have a smaller (h, w).
+    * ``encoder_hidden_states [K*Bc, L, joint_attention_dim]``, ``encoder_attention_mask [K*Bc, L]`` (1 = real
+      token), ``pooled_projections [K*Bc, pooled_projection_dim]``, ``timestep_ratio [K*Bc]`` -- the flow
+      timestep on the 0..1000 scale despite its name. Row ``b*K + k`` is column ``k``, item ``b``.
+
+    Returns a list of K tensors ``[Bc, in_channels/4, t, h, w]``: the prediction for the last clip of each column.
+    """
+
+    _supports_gradient_checkpointing = True
+    _no_split_modules: ClassVar[list[str]] = ["FluxTransformerBlock", "FluxSingleTransformerBlock"]
+
+    @register_to_config
+    def __init__(
+        self,
+        patch_size: int = 1,
+        in_channels: int = 64,
+        num_layers: int = 19,
+        num_single_layers: int = 38,
+        attention_head_dim: int = 64,
+        num_attention_heads: int = 24,
+        joint_attention_dim: int = 4096,
+        pooled_projection_dim: int = 768,
+        axes_dims_rope: tuple[int, ...] = (16, 24, 24),
+        use_flash_attn: bool = False,
+        use_temporal_causal: bool = True,
+        interp_condition_pos: bool = True,
+        use_gradient_checkpointing: bool = False,
+        gradient_checkpointing_ratio: float = 0.6,
+    ) -> None:
+        super().__init__()
+        if patch_size != 1:
+            raise ConfigError(
+                f"PyramidFluxTransformer: patch_size={patch_size} is not supported",
+                hint="keep patch_size=1: the 2x2 patchify is built into in_channels (= 4 x latent channels)",
+            )
+        if in_channels % (PATCH * PATCH):
+            raise ConfigError(f"in_channels={in_channels} must be 4 x the latent channels (2x2 patches)")
+        if sum(axes_dims_rope) != attention_head_dim or len(axes_dims_rope) != 3:
+            raise ConfigError(
+                f"axes_dims_rope={list(axes_dims_rope)} must be 3 (t, y, x) even sizes summing to "
+                f"attention_head_dim={attention_head_dim}",
+                hint="the released model uses [16, 24, 24] with attention_head_dim=64",
+            )
+        check_ratio(gradient_checkpointing_ratio)
+
+        self.out_channels = in_channels
+        self.inner_dim = num_attention_heads * attention_head_dim
+        dim = self.inner_dim
+
+        self.time_text_embed = TimestepTextEmbedding(dim, pooled_projection_dim)
+        self.context_embedder = nn.Linear(joint_attention_dim, dim)
+        self.x_embedder = nn.Linear(in_channels, dim)
+        self.transformer_blocks = nn.ModuleList(
+            [FluxTransformerBlock(dim, num_attention_heads, attention_head_dim) for _ in range(num_layers)]
+        )
+        self.single_transformer_blocks = nn.ModuleList(
+            [
+                FluxSingleTransformerBlock(dim, num_attention_heads, attention_head_dim)
+                for _ in range(num_single_layers)
+            ]
+        )
+        self.norm_out = AdaLNContinuous(dim)
+        self.proj_out = nn.Linear(dim, patch_size * patch_size * in_channels)
+
+        self.gradient_checkpointing = use_gradient_checkpointing
+        self.gradient_checkpointing_ratio = gradient_checkpointing_ratio
+        note_flash_flag(type(self).__name__, use_flash_attn)
+        self.initialize_weights()
+
+    def initialize_weights(self) -> None:
+        """Reference init: xavier linears, N(0, 0.02) conditioning embedders, zero AdaLN and output layers
+        (so a fresh model predicts exactly 0)."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        for mlp in (self.time_text_embed.timestep_embedder, self.time_text_embed.text_embedder):
+            nn.init.normal_(mlp.linear_1.weight, std=0.02)
+            nn.init.normal_(mlp.linear_2.weight, std=0.02)
+        nn.init.normal_(self.context_embedder.weight, std=0.02)
+        zero = [self.norm_out.linear, self.proj_out]
+        zero += [m for b in self.transformer_blocks for m in (b.norm1.linear, b.norm1_context.linear)]
+        zero += [b.norm.linear for b in self.single_transformer_blocks]
+        for layer in zero:
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def blocks_in_order(self) -> list[tuple[str, nn.Module]]:
+        """All transformer blocks in execution order (the order gradient checkpointing counts in)."""
+        double = [(f"transformer_blocks.{i}", b) for i, b in enumerate(self.transformer_blocks)]
+        single = [(f"single_transformer_blocks.{i}", b) for i, b in enumerate(self.single_transformer_blocks)]
+        return double + single
+
+    # ------------------------------------------------------------------------------------------------------
+
+    def _patchify(self, clip: torch.Tensor, where: str) -> torch.Tensor:
+        """``[Bc, C, t, H, W]`` -> ``[Bc, t*(H/2)*(W/2), 4C]`` (token order t, y, x; features p1, p2, c)."""
+        b, c, t, hh, ww = clip.shape
+        if hh % PATCH or ww % PATCH or c * PATCH * PATCH != self.config.in_channels:
+            raise InputError(
+                f"{where} has shape {tuple(clip.shape)}: need {self.config.in_channels // 4} channels "
+                "and even h, w",
+                hint="latents are [B, C, t, h, w] with h and w divisible by 2",
+            )
+        x = clip.reshape(b, c, t, hh // PATCH, PATCH, ww // PATCH, PATCH)  # [b, c, t, h, p1, w, p2]
+        x = x.permute(0, 2, 3, 5, 4, 6, 1)  # [b, t, h, w, p1, p2, c]
+        return x.reshape(b, t * (hh // PATCH) * (ww // PATCH), PATCH * PATCH * c)
+
+    def _axis_positions(self, n: int, n_last: int, device: torch.device) -> torch.Tensor:
+        """(y or x) positions of a clip with ``n`` tokens along an axis where the current clip has ``n_last``."""
+        if n == n_last or not self.config.interp_condition_pos:
+            return torch.arange(n, device=device, dtype=torch.float32)
+        full = torch.arange(n_last, device=device, dtype=torch.float32)[None, None]  # [1, 1, n_last]
+        return F.interpolate(full, size=n, mode="linear", align_corners=False).view(n)
+
+    def _positions(self, grids: list[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
+        """(t, y, x) RoPE positions ``[n, 3]`` of a column's image tokens."""
+        last_h, last_w = grids[-1][1], grids[-1][2]
+        out, start = [], 0
+        for t, h, w in grids:
+            tt = torch.arange(start, start + t, device=device, dtype=torch.float32)
+            ys, xs = self._axis_positions(h, last_h, device), self._axis_positions(w, last_w, device)
+            grid = torch.stack(torch.meshgrid(tt, ys, xs, indexing="ij"), dim=-1)  # [t, h, w, 3]
+            out.append(grid.reshape(-1, 3))
+            start += t
+        return torch.cat(out, dim=0)
+
+    def build_layout(
+        self, grids: list[list[tuple[int, int, int]]], encoder_attention_mask: torch.Tensor, batch: int
+    ) -> PyramidLayout:
+        """Token counts, RoPE tables and masks of one call (shapes only; built once per forward)."""
+        device = encoder_attention_mask.device
+        image_lengths = [sum(t * h * w for t, h, w in col) for col in grids]
+        positions = torch.cat([self._positions(col, device) for col in grids], dim=0)  # [N, 3]
+        rope = rope_tables(positions, self.config.axes_dims_rope)  # 2 x [N, hd/2]
+        text_len = encoder_attention_mask.shape[1]
+        masks = build_column_masks(
+            encoder_attention_mask != 0,
+            [clip_frame_ids(col, device) for col in grids],
+            len(grids),
+            self.config.use_temporal_causal,
+        )
+        layout = PyramidLayout(len(grids), batch, text_len, image_lengths, masks, rope=rope)
+        layout.joint_rope = with_text_identity(*rope, image_lengths, text_len)
+        return layout
+
+    def forward(
+        self,
+        sample: list[list[torch.Tensor]],
+        encoder_hidden_states: torch.Tensor,
+        encoder_attention_mask: torch.Tensor,
+        pooled_projections: torch.Tensor,
+        timestep_ratio: torch.Tensor,
+    ) -> list[torch.Tensor]:
+        columns = check_columns(sample)
+        num_cols, batch = len(columns), columns[0][0].shape[0]
+        check_text_rows(
+            num_cols,
+            batch,
+            encoder_hidden_states=encoder_hidden_states,
+            encoder_attention_mask=encoder_attention_mask,
+            pooled_projections=pooled_projections,
+            timestep_ratio=timestep_ratio,
+        )
+        if encoder_attention_mask.shape[:2] != encoder_hidden_states.shape[:2]:
+            raise InputError(
+                f"encoder_attention_mask {tuple(encoder_attention_mask.shape)} does not match "
+                f"encoder_hidden_states {tuple(encoder_hidden_states.shape)}"
+            )
+
+        temb = self.time_text_embed(timestep_ratio, pooled_projections)  # [K*Bc, D]
+        text = self.context_embedder(encoder_hidden_states)  # [K*Bc, L, D]
+        # embedded per column (as the reference does: GEMM shapes, hence rounding, match it bit for bit)
+        image = torch.cat(
+            [
+                self.x_embedder(
+                    torch.cat([self._patchify(c, f"sample[{k}][{j}]") for j, c in enumerate(col)], 1)
+                )
+                for k, col in enumerate(columns)
+            ],
+            dim=1,
+        )  # [Bc, N, D], columns then clips in order
+
+        grids = [[(c.shape[2], c.shape[3] // PATCH, c.shape[4] // PATCH) for c in col] for col in columns]
+        layout = self.build_layout(grids, encoder_attention_mask, batch)
+        limit = self._checkpoint_limit()
+
+        for i, block in enumerate(self.transformer_blocks):
+            image, text = self._run_block(i, limit, block, image, text, temb, layout)
+
+        # single-stream layout: [text_0; image_0; text_1; image_1; ...] -> [Bc, sum(L + n_k), D]
+        text_cols = by_column(text, num_cols)  # [Bc, K, L, D]
+        parts = []
+        for k, img in enumerate(image.split(layout.image_lengths, dim=1)):
+            parts += [text_cols[:, k], img]
+        hidden = torch.cat(parts, dim=1)
+
+        offset = len(self.transformer_blocks)
+        for i, block in enumerate(self.single_transformer_blocks):
+            hidden = self._run_block(offset + i, limit, block, hidden, temb, layout)
+
+        image = torch.cat(
+            [p[:, layout.text_len :] for p in hidden.split(layout.joint_lengths, 1)], 1
+        )  # [Bc, N, D]
+        scale, shift = (by_column(m, num_cols) for m in self.norm_out(temb, image.dtype))  # [Bc, K, D]
+        image = modulate_columns(layer_norm(image), layout.image_lengths, shift, scale)
+        image = self.proj_out(image)  # [Bc, N, 4C]
+
+        outputs = []
+        for col_tokens, col_grids in zip(image.split(layout.image_lengths, dim=1), grids, strict=True):
+            t, h, w = col_grids[-1]
+            outputs.append(unpatchify(col_tokens[:, -t * h * w :], (t, h, w), PATCH))  # [Bc, C, t, 2h, 2w]
+        return outputs

@@ -1,0 +1,359 @@
+"""Unit tests of the pyramid DiTs with tiny configs (CPU, random weights, no reference vectors)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pfctl.errors import ConfigError, InputError
+from pfctl.models.dit_common import clip_frame_ids, num_checkpointed
+from pfctl.models.dit_flux import PyramidFluxTransformer
+from pfctl.models.dit_mmdit import PyramidDiffusionMMDiT
+
+LATENT_C = 4
+
+FLUX_TINY = dict(
+    patch_size=1,
+    in_channels=4 * LATENT_C,
+    num_layers=1,
+    num_single_layers=2,
+    attention_head_dim=8,
+    num_attention_heads=2,
+    joint_attention_dim=12,
+    pooled_projection_dim=10,
+    axes_dims_rope=[2, 2, 4],
+    use_flash_attn=False,
+    use_temporal_causal=True,
+    interp_condition_pos=True,
+)
+MMDIT_TINY = dict(
+    sample_size=8,
+    patch_size=2,
+    in_channels=LATENT_C,
+    num_layers=2,
+    attention_head_dim=8,
+    num_attention_heads=2,
+    caption_projection_dim=16,
+    pooled_projection_dim=10,
+    pos_embed_max_size=8,
+    joint_attention_dim=12,
+    qk_norm="rms_norm",
+    pos_embed_type="sincos",
+    temp_pos_embed_type="rope",
+    add_temp_pos_embed=True,
+    use_t5_mask=True,
+    use_temporal_causal=True,
+    interp_condition_pos=True,
+    use_flash_attn=False,
+)
+MODELS = {"flux": (PyramidFluxTransformer, FLUX_TINY), "mmdit": (PyramidDiffusionMMDiT, MMDIT_TINY)}
+
+
+def build(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """Tiny model with random (non-zero) weights: the reference init zeroes the output layers."""
+    cls, cfg = MODELS[kind]
+    model = cls(**{**cfg, **overrides})
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p[0].numel()))
+            elif name.endswith("weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+def inputs(seed: int = 1, text_len: int = 5) -> dict:
+    """K=2 columns, Bc=2. Column 0: history (1 frame) + current clip (2 frames). Column 1: low-res history,
+    history, current clip (2 frames). Text rows interleaved (r = b*K + k) with right padding."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def clip(t: int, h: int, w: int) -> torch.Tensor:
+        return torch.randn(2, LATENT_C, t, h, w, generator=gen)
+
+    sample = [[clip(1, 4, 4), clip(2, 4, 4)], [clip(1, 2, 2), clip(1, 4, 4), clip(2, 4, 4)]]
+    rows = 4
+    valid = torch.tensor([3, 5, 1, 4])
+    mask = (torch.arange(text_len)[None] < valid[:, None]).long()
+    return dict(
+        sample=sample,
+        encoder_hidden_states=torch.randn(rows, text_len, 12, generator=gen),
+        encoder_attention_mask=mask,
+        pooled_projections=torch.randn(rows, 10, generator=gen),
+        timestep_ratio=torch.tensor([999.0, 500.0, 250.0, 10.0]),
+    )
+
+
+def run(model: torch.nn.Module, args: dict) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return model(**args)
+
+
+def clone_args(args: dict) -> dict:
+    out = {k: v.clone() for k, v in args.items() if k != "sample"}
+    out["sample"] = [[c.clone() for c in col] for col in args["sample"]]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_forward_shapes_and_backward(kind: str) -> None:
+    model = build(kind).train()
+    args = inputs()
+    outs = model(**args)
+    assert [tuple(o.shape) for o in outs] == [tuple(col[-1].shape) for col in args["sample"]]
+    sum(o.square().mean() for o in outs).backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{name} got no gradient"
+        assert torch.isfinite(p.grad).all(), name
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_fresh_model_predicts_zero(kind: str) -> None:
+    """Reference init (AdaLN-Zero, zero output projection): a new model outputs exactly 0."""
+    cls, cfg = MODELS[kind]
+    outs = run(cls(**cfg).eval(), inputs())
+    assert all(torch.count_nonzero(o) == 0 for o in outs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", MODELS)
+def test_save_load_roundtrip_safetensors(kind: str, tmp_path) -> None:
+    cls, _ = MODELS[kind]
+    model, args = build(kind), inputs()
+    model.save_pretrained(tmp_path / "single", safe_serialization=True)
+    assert (tmp_path / "single" / "diffusion_pytorch_model.safetensors").is_file()
+    assert not list((tmp_path / "single").glob("*.bin"))
+    loaded = cls.from_pretrained(tmp_path / "single").eval()
+    public = lambda cfg: {k: v for k, v in dict(cfg).items() if not k.startswith("_")}  # noqa: E731
+    assert public(loaded.config) == public(model.config)
+    for a, b in zip(run(model, args), run(loaded, args), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    model.save_pretrained(tmp_path / "sharded", safe_serialization=True, max_shard_size="40KB")
+    shards = list((tmp_path / "sharded").glob("diffusion_pytorch_model-*.safetensors"))
+    assert (
+        len(shards) > 1
+        and (tmp_path / "sharded" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    )
+    sharded = cls.from_pretrained(tmp_path / "sharded").eval()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, sharded.state_dict()[key]), key
+    for a, b in zip(run(model, args), run(sharded, args), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", MODELS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_temporal_causal_mask(kind: str, causal: bool) -> None:
+    """Changing the last frame of the current clip must not change the prediction of its earlier frame when
+    causal, and must change it when causality is off. Other columns are never affected."""
+    model = build(kind, use_temporal_causal=causal)
+    args = inputs()
+    base = run(model, args)
+    changed = clone_args(args)
+    changed["sample"][1][-1][:, :, 1] += 3.0  # column 1, current clip, frame 1 of 2
+    out = run(model, changed)
+    torch.testing.assert_close(out[0], base[0], rtol=0, atol=0)  # column 0 is independent
+    assert not torch.allclose(out[1][:, :, 1], base[1][:, :, 1])
+    if causal:
+        torch.testing.assert_close(out[1][:, :, 0], base[1][:, :, 0], rtol=0, atol=1e-6)
+    else:
+        assert (out[1][:, :, 0] - base[1][:, :, 0]).abs().max() > 1e-4
+
+    # history is visible to the current clip in both modes
+    hist = clone_args(args)
+    hist["sample"][1][0] += 3.0
+    assert (run(model, hist)[1] - base[1]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_text_padding_is_masked(kind: str) -> None:
+    model = build(kind)
+    args = inputs()
+    base = run(model, args)
+    changed = clone_args(args)
+    pad = changed["encoder_attention_mask"] == 0
+    changed["encoder_hidden_states"][pad] += 5.0
+    for a, b in zip(base, run(model, changed), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_mmdit_use_t5_mask_off_really_attends_padding() -> None:
+    model = build("mmdit", use_t5_mask=False)
+    args = inputs()
+    changed = clone_args(args)
+    changed["encoder_hidden_states"][changed["encoder_attention_mask"] == 0] += 5.0
+    assert any((a - b).abs().max() > 1e-4 for a, b in zip(run(model, args), run(model, changed), strict=True))
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_flash_flag_keeps_the_masked_sdpa_path(kind: str) -> None:
+    """use_flash_attn is accepted for checkpoint compatibility but never drops the mask."""
+    plain = build(kind, use_flash_attn=False)
+    flash = build(kind, use_flash_attn=True)
+    assert flash.config.use_flash_attn is True
+    args = inputs()
+    for a, b in zip(run(plain, args), run(flash, args), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    changed = clone_args(args)
+    changed["sample"][0][-1][:, :, 1] -= 2.0
+    torch.testing.assert_close(
+        run(flash, changed)[0][:, :, 0], run(flash, args)[0][:, :, 0], rtol=0, atol=1e-6
+    )
+
+
+def test_flux_interp_condition_pos_flag() -> None:
+    interp = build("flux", interp_condition_pos=True)
+    plain = build("flux", interp_condition_pos=False)
+    grids = [(1, 2, 2), (1, 4, 4)]
+    pos_i = interp._positions(grids, torch.device("cpu"))
+    pos_p = plain._positions(grids, torch.device("cpu"))
+    # low-res history clip: fractional positions spanning the current grid vs plain integers
+    assert not torch.equal(pos_i[:4, 1:], pos_i[:4, 1:].round())
+    assert torch.equal(pos_p[:4, 1:], torch.tensor([[0.0, 0.0], [0.0, 1.0], [1.0, 0.0], [1.0, 1.0]]))
+    torch.testing.assert_close(pos_i[4:], pos_p[4:], rtol=0, atol=0)  # same-size clips: identical
+    assert torch.equal(pos_i[:, 0], torch.tensor([0.0] * 4 + [1.0] * 16))  # frames continue across clips
+    args = inputs()
+    out_i, out_p = run(interp, args), run(plain, args)
+    torch.testing.assert_close(out_i[0], out_p[0], rtol=0, atol=0)  # column 0 has no low-res history
+    assert (out_i[1] - out_p[1]).abs().max() > 1e-5
+
+
+def test_mmdit_interp_condition_pos_flag() -> None:
+    args = inputs()
+    out_i = run(build("mmdit", interp_condition_pos=True), args)
+    out_p = run(build("mmdit", interp_condition_pos=False), args)
+    torch.testing.assert_close(out_i[0], out_p[0], rtol=0, atol=0)
+    assert (out_i[1] - out_p[1]).abs().max() > 1e-5
+
+
+def test_frame_ids_follow_clip_order() -> None:
+    ids = clip_frame_ids([(2, 1, 2), (1, 2, 1)], torch.device("cpu"))
+    assert ids.tolist() == [0, 0, 1, 1, 2, 2]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# gradient checkpointing: blocks with execution index < floor(L * ratio), L = all blocks, input side first
+
+
+@pytest.mark.parametrize(
+    ("kind", "ratio", "expected"),
+    [
+        ("flux", 0.0, []),
+        ("flux", 0.3, []),
+        ("flux", 0.34, ["transformer_blocks.0"]),
+        ("flux", 0.6, ["transformer_blocks.0"]),
+        ("flux", 0.7, ["transformer_blocks.0", "single_transformer_blocks.0"]),
+        ("flux", 1.0, ["transformer_blocks.0", "single_transformer_blocks.0", "single_transformer_blocks.1"]),
+        ("mmdit", 0.49, []),
+        ("mmdit", 0.6, ["transformer_blocks.0"]),
+        ("mmdit", 1.0, ["transformer_blocks.0", "transformer_blocks.1"]),
+    ],
+)
+def test_checkpointed_block_set(kind: str, ratio: float, expected: list[str]) -> None:
+    model = build(kind, gradient_checkpointing_ratio=ratio)
+    assert model.checkpointed_block_names() == expected
+
+
+def test_num_checkpointed_rule() -> None:
+    assert [num_checkpointed(24, r) for r in (0.0, 0.5, 0.6, 1.0)] == [0, 12, 14, 24]
+    assert num_checkpointed(10, 0.3) == 3  # no float round-down surprise (10 * 0.3 = 2.9999...)
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_gradient_checkpointing_recomputes_exactly_those_blocks_and_matches(kind: str) -> None:
+    args = inputs()
+    plain = build(kind, gradient_checkpointing_ratio=0.7).train()
+    ckpt = build(kind, gradient_checkpointing_ratio=0.7, use_gradient_checkpointing=True).train()
+
+    calls: dict[str, int] = {}
+    for name, block in ckpt.blocks_in_order():
+        block.register_forward_pre_hook(lambda *_, n=name: calls.__setitem__(n, calls.get(n, 0) + 1))
+
+    results = []
+    for model in (plain, ckpt):
+        outs = model(**args)
+        sum(o.square().mean() for o in outs).backward()
+        results.append((outs, {n: p.grad.clone() for n, p in model.named_parameters()}))
+
+    recomputed = sorted(n for n, c in calls.items() if c == 2)
+    assert recomputed == sorted(ckpt.checkpointed_block_names()) and recomputed
+    assert all(c in (1, 2) for c in calls.values())
+    for a, b in zip(results[0][0], results[1][0], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_diffusers_enable_gradient_checkpointing_uses_the_same_rule() -> None:
+    model = build("flux", gradient_checkpointing_ratio=1.0).train()
+    model.enable_gradient_checkpointing()
+    assert model.is_gradient_checkpointing
+    calls = {}
+    for name, block in model.blocks_in_order():
+        block.register_forward_pre_hook(lambda *_, n=name: calls.__setitem__(n, calls.get(n, 0) + 1))
+    sum(o.sum() for o in model(**inputs())).backward()
+    assert set(calls.values()) == {2}
+    calls.clear()
+    model.eval()
+    run(model, inputs())  # eval / no grad: never checkpointed
+    assert set(calls.values()) == {1}
+
+
+def test_fsdp_wrap_classes_exist() -> None:
+    for kind, (cls, _) in MODELS.items():
+        names = {type(m).__name__ for m in build(kind).modules()}
+        assert set(cls._no_split_modules) <= names, kind
+        assert cls._supports_gradient_checkpointing
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_bf16_autocast_runs_close_to_fp32(kind: str) -> None:
+    model, args = build(kind), inputs()
+    ref = run(model, args)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = run(model, args)
+    for a, b in zip(ref, low, strict=True):
+        assert torch.isfinite(b).all()
+        assert ((a - b.float()).abs().max() / a.abs().max()) < 0.1
+
+
+@pytest.mark.parametrize(
+    ("kind", "overrides"),
+    [
+        ("flux", {"patch_size": 2}),
+        ("flux", {"axes_dims_rope": [2, 2, 2]}),
+        ("flux", {"gradient_checkpointing_ratio": 1.5}),
+        ("mmdit", {"caption_projection_dim": 24}),
+        ("mmdit", {"pos_embed_type": "rope"}),
+        ("mmdit", {"qk_norm": "group_norm"}),
+    ],
+)
+def test_config_errors(kind: str, overrides: dict) -> None:
+    cls, cfg = MODELS[kind]
+    with pytest.raises(ConfigError):
+        cls(**{**cfg, **overrides})
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_input_errors(kind: str) -> None:
+    model = build(kind)
+    args = inputs()
+    with pytest.raises(InputError):
+        run(model, {**args, "sample": args["sample"][0][0][None]})  # not a list of columns
+    with pytest.raises(InputError):
+        run(model, {**args, "timestep_ratio": args["timestep_ratio"][:3]})
+    bad = clone_args(args)
+    bad["sample"][0][-1] = bad["sample"][0][-1][..., :3]  # odd width
+    with pytest.raises(InputError):
+        run(model, bad)
