@@ -1,0 +1,126 @@
+"""Causal 3-D convolution, per-frame GroupNorm and the per-call frame cache.
+
+The causal video VAE never lets a frame see the future: every temporal kernel is padded with
+zeros in front only (``kernel - 1`` frames), so output frame ``t`` depends on input frames
+``<= t``. Together with norms whose statistics are taken per frame, this makes temporal chunking
+exact: a long clip can be processed a few frames at a time if each convolution gets the last
+input frames of the previous chunk as context.
+
+That context lives in a :class:`FrameCache` that is created for *one* encode/decode call and
+passed down explicitly. Nothing is stored on the modules, so two calls (or two threads, or a
+tiled call running its tiles one after another) can never see each other's frames.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["CausalConv3d", "FrameCache", "FrameGroupNorm", "from_frames", "to_frames"]
+
+
+def to_frames(x: Tensor) -> Tensor:
+    """(B, C, T, H, W) -> (B*T, C, H, W): every frame becomes an independent image."""
+    b, c, t, h, w = x.shape
+    return x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
+
+
+def from_frames(x: Tensor, t: int) -> Tensor:
+    """Inverse of :func:`to_frames`."""
+    bt, c, h, w = x.shape
+    return x.reshape(bt // t, t, c, h, w).permute(0, 2, 1, 3, 4)
+
+
+class FrameCache:
+    """Temporal context carried from one chunk to the next during *one* chunked call.
+
+    ``first_chunk`` is true while the first chunk runs: convolutions then pad with zeros in
+    front (as the unchunked model does) and the temporal upsamplers drop their first output
+    frame. After :meth:`next_chunk`, every causal conv prepends the input frames it kept from
+    the previous chunk instead of zeros. The cache is keyed by module identity and dies with
+    the call that created it.
+    """
+
+    def __init__(self) -> None:
+        self.first_chunk = True
+        self._tails: dict[int, Tensor] = {}
+
+    def next_chunk(self) -> None:
+        self.first_chunk = False
+
+    def get(self, module: nn.Module) -> Tensor:
+        try:
+            return self._tails[id(module)]
+        except KeyError:  # programming error, not a user error
+            raise RuntimeError("frame cache has no context for this layer: chunks out of order") from None
+
+    def put(self, module: nn.Module, frames: Tensor) -> None:
+        self._tails[id(module)] = frames
+
+
+class FrameGroupNorm(nn.GroupNorm):
+    """GroupNorm whose statistics are taken over each frame separately.
+
+    A 5-D input is folded to (B*T, C, H, W) first. This is what makes the VAE's temporal
+    chunking exact (a norm over (C, T, H, W) would couple all frames of a clip).
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.ndim != 5:
+            return super().forward(x)
+        return from_frames(super().forward(to_frames(x)), x.shape[2])
+
+
+def _triple(v: int | tuple[int, int, int]) -> tuple[int, int, int]:
+    return (v, v, v) if isinstance(v, int) else tuple(v)  # type: ignore[return-value]
+
+
+class CausalConv3d(nn.Module):
+    """3-D convolution, zero-padded ``kernel_t - 1`` frames in front and symmetric in space.
+
+    An integer ``stride`` applies to time only (spatial stride 1). The wrapped ``nn.Conv3d`` is
+    stored as ``.conv`` so state-dict keys read ``<name>.conv.weight``.
+
+    With a :class:`FrameCache` in a non-first chunk, the zero frames are replaced by the input
+    frames of the previous chunk that the next output window still needs: ``kernel_t - 1``
+    frames for stride 1 and, for stride 2, the frames from the start of the next window on
+    (one frame for the odd padded lengths that valid chunk sizes produce). That is exactly what
+    the unchunked convolution would have seen.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | tuple[int, int, int],
+        stride: int | tuple[int, int, int] = 1,
+        dilation: int = 1,
+        bias: bool = True,
+    ) -> None:
+        super().__init__()
+        kt, kh, kw = _triple(kernel_size)
+        if kh % 2 == 0 or kw % 2 == 0:
+            raise ValueError(f"spatial kernel must be odd, got {(kh, kw)}")
+        stride3 = (stride, 1, 1) if isinstance(stride, int) else tuple(stride)
+        self.temporal_stride = stride3[0]
+        self.time_pad = dilation * (kt - 1)
+        self._span = self.time_pad + 1  # frames covered by one temporal window
+        self._causal_pad = (kw // 2, kw // 2, kh // 2, kh // 2, self.time_pad, 0)
+        self._spatial_pad = (kw // 2, kw // 2, kh // 2, kh // 2, 0, 0)
+        self.conv = nn.Conv3d(
+            in_channels, out_channels, (kt, kh, kw), stride=stride3, padding=0, dilation=dilation, bias=bias
+        )
+
+    def forward(self, x: Tensor, cache: FrameCache | None = None) -> Tensor:
+        if cache is None or cache.first_chunk or self.time_pad == 0:
+            x = F.pad(x, self._causal_pad if (cache is None or cache.first_chunk) else self._spatial_pad)
+        else:
+            x = torch.cat([cache.get(self), F.pad(x, self._spatial_pad)], dim=2)
+        if cache is not None and self.time_pad > 0:
+            # where the next output window starts, in this padded input's frame index
+            n = x.shape[2]
+            s = self.temporal_stride
+            next_start = s * ((n - self._span) // s + 1)
+            cache.put(self, x[:, :, next_start:].detach())
+        return self.conv(x)

@@ -1,0 +1,317 @@
+"""CausalVideoVAE and its adapter on tiny models (CPU, a second or two each)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+from pfctl.errors import ConfigError, InputError, ModelLoadError
+from pfctl.models.causal_vae import CausalVideoVAE, FrameCache
+from pfctl.models.vae import (
+    FLUX_LATENT_NORM,
+    SD3_LATENT_NORM,
+    LatentNorm,
+    Posterior,
+    PyramidCausalVAE,
+    VideoVAE,
+    build_tiny_causal_vae,
+    denormalize_latents,
+    load_vae,
+    normalize_latents,
+)
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def vae() -> CausalVideoVAE:
+    return build_tiny_causal_vae()
+
+
+@pytest.fixture(scope="module")
+def video() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(7)
+    return torch.rand(1, 3, 17, 8, 8, generator=gen) * 2 - 1
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+# ---- shapes and chunking ---------------------------------------------------------------------------
+
+
+def test_shapes(vae: CausalVideoVAE, video: torch.Tensor) -> None:
+    with torch.no_grad():
+        post = vae.encode(video)
+        assert post.mean.shape == (1, 16, 3, 1, 1)
+        assert post.std.shape == post.mean.shape == post.logvar.shape
+        assert post.moments.shape == (1, 32, 3, 1, 1)
+        assert vae.decode(post.mean).shape == (1, 3, 17, 8, 8)
+        # an image is a one-frame video
+        assert vae.encode(video[:, :, :1]).mean.shape == (1, 16, 1, 1, 1)
+        assert vae.decode(torch.zeros(1, 16, 1, 2, 3)).shape == (1, 3, 1, 16, 24)
+
+
+def test_chunked_equals_full(vae: CausalVideoVAE, video: torch.Tensor) -> None:
+    """Per-frame norms + causal convs with carried context: chunking is exact up to rounding."""
+    with torch.no_grad():
+        full = vae.encode(video)
+        for window in (8, 16):
+            chunked = vae.encode(video, temporal_chunk=True, window_size=window)
+            assert _max_diff(chunked.mean, full.mean) < TOL
+            assert _max_diff(chunked.std, full.std) < TOL
+        z = full.mean
+        decoded = vae.decode(z)
+        for window in (1, 2):
+            assert _max_diff(vae.decode(z, temporal_chunk=True, window_size=window), decoded) < TOL
+
+
+def test_chunking_has_no_hidden_state(vae: CausalVideoVAE, video: torch.Tensor) -> None:
+    """Two chunked calls never interfere: nothing is stored on the modules between calls."""
+    before = {name: set(vars(m)) for name, m in vae.named_modules()}
+    other = torch.flip(video, dims=[2])
+    with torch.no_grad():
+        a1 = vae.encode(video, temporal_chunk=True, window_size=8).mean
+        vae.encode(other, temporal_chunk=True, window_size=8)
+        a2 = vae.encode(video, temporal_chunk=True, window_size=8).mean
+        d1 = vae.decode(a1, temporal_chunk=True, window_size=1)
+        vae.decode(a1.flip(2), temporal_chunk=True, window_size=1)
+        d2 = vae.decode(a1, temporal_chunk=True, window_size=1)
+    assert torch.equal(a1, a2)
+    assert torch.equal(d1, d2)
+    assert {name: set(vars(m)) for name, m in vae.named_modules()} == before
+
+
+def test_frame_cache_is_per_call() -> None:
+    cache = FrameCache()
+    assert cache.first_chunk
+    cache.next_chunk()
+    assert not cache.first_chunk
+    with pytest.raises(RuntimeError):
+        cache.get(torch.nn.Identity())
+
+
+def test_chunked_encode_validation(vae: CausalVideoVAE, video: torch.Tensor) -> None:
+    with pytest.raises(ConfigError, match="12"):
+        vae.encode(video, temporal_chunk=True, window_size=12)
+    with pytest.raises(InputError, match="16"):
+        vae.encode(video[:, :, :16], temporal_chunk=True, window_size=8)
+    with pytest.raises(ConfigError, match="0"):
+        vae.decode(torch.zeros(1, 16, 3, 1, 1), temporal_chunk=True, window_size=0)
+    with pytest.raises(InputError, match="shape"):
+        vae.encode(video[0])
+
+
+# ---- tiling ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [16, 24, 48, 0, -32, 33])
+def test_tile_size_validation(vae: CausalVideoVAE, video: torch.Tensor, size: int) -> None:
+    with pytest.raises(ConfigError) as info:
+        vae.encode(video[:, :, :1], tile_sample_min_size=size)
+    assert str(size) in info.value.message and "32" in info.value.message
+    with pytest.raises(ConfigError):
+        vae.decode(torch.zeros(1, 16, 1, 2, 2), tile_sample_min_size=size)
+
+
+def test_tiled_shapes_and_no_tiling_when_small(vae: CausalVideoVAE) -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.rand(1, 3, 9, 56, 40, generator=gen) * 2 - 1  # not square, not a tile multiple
+    with torch.no_grad():
+        tiled = vae.encode(x, tile_sample_min_size=32)
+        assert tiled.mean.shape == (1, 16, 2, 7, 5)
+        chunked = vae.encode(x, tile_sample_min_size=32, temporal_chunk=True, window_size=8)
+        assert _max_diff(chunked.mean, tiled.mean) < TOL
+        out = vae.decode(tiled.mean[:, :, :1], tile_sample_min_size=32)
+        assert out.shape == (1, 3, 1, 56, 40)
+        # tile larger than the frame: the untiled path, bitwise
+        assert torch.equal(vae.encode(x, tile_sample_min_size=128).mean, vae.encode(x).mean)
+        z = tiled.mean[:, :, :1]
+        assert torch.equal(vae.decode(z, tile_sample_min_size=128), vae.decode(z))
+
+
+# ---- training / purity -------------------------------------------------------------------------------
+
+
+def test_forward_backward_cpu() -> None:
+    model = build_tiny_causal_vae().train()
+    x = torch.rand(1, 3, 9, 16, 16) * 2 - 1  # 2x2 latent tokens: attention gets a gradient
+    posterior, recon = model(x, sample_posterior=True, generator=torch.Generator().manual_seed(0))
+    assert recon.shape == x.shape
+    kl = 0.5 * (posterior.mean**2 + posterior.var - 1 - posterior.logvar).mean()
+    loss = (recon - x).pow(2).mean() + 1e-3 * kl
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+    assert grads["encoder.mid_block.attentions.0.to_q.weight"].abs().sum() > 0
+    assert grads["encoder.conv_in.conv.weight"].abs().sum() > 0
+
+
+def test_gradient_checkpointing_same_grads() -> None:
+    x = torch.rand(1, 3, 1, 8, 8) * 2 - 1
+    grads = []
+    for ckpt in (False, True):
+        model = build_tiny_causal_vae().train()
+        if ckpt:
+            model.enable_gradient_checkpointing()
+        _, recon = model(x)
+        recon.pow(2).mean().backward()
+        grads.append(model.decoder.conv_in.conv.weight.grad.clone())
+    assert _max_diff(grads[0], grads[1]) < 1e-6
+
+
+def test_inputs_not_mutated(vae: CausalVideoVAE, video: torch.Tensor) -> None:
+    x = video.clone()
+    with torch.no_grad():
+        vae.encode(x)
+        vae.encode(x, temporal_chunk=True, window_size=8)
+        big = torch.nn.functional.interpolate(x[:, :, :1].flatten(1, 2), scale_factor=5).unflatten(1, (3, 1))
+        big_copy = big.clone()
+        vae.encode(big, tile_sample_min_size=32)
+        z = torch.randn(1, 16, 2, 5, 5)
+        z_copy = z.clone()
+        vae.decode(z, temporal_chunk=True, window_size=1, tile_sample_min_size=32)
+    assert torch.equal(x, video)
+    assert torch.equal(big, big_copy)
+    assert torch.equal(z, z_copy)
+    n = normalize_latents(z, FLUX_LATENT_NORM)
+    denormalize_latents(n, FLUX_LATENT_NORM)
+    assert torch.equal(z, z_copy)
+
+
+def test_posterior_sampling_is_reproducible(vae: CausalVideoVAE, video: torch.Tensor) -> None:
+    with torch.no_grad():
+        post = vae.encode(video[:, :, :1])
+    a = post.sample(torch.Generator().manual_seed(1))
+    b = post.sample(torch.Generator().manual_seed(1))
+    assert torch.equal(a, b)
+    eps = torch.randn(post.mean.shape, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a, post.mean + post.std * eps)
+    p = Posterior(post.mean, post.std)
+    assert torch.equal(p.sample(torch.Generator().manual_seed(1)), a)
+
+
+# ---- normalisation -----------------------------------------------------------------------------------
+
+
+def test_latent_norm_rules() -> None:
+    z = torch.randn(2, 16, 3, 2, 2)
+    n = normalize_latents(z, FLUX_LATENT_NORM)
+    assert torch.allclose(n[:, :, 0], (z[:, :, 0] + 0.04) / 1.8726)
+    assert torch.allclose(n[:, :, 1:], (z[:, :, 1:] + 0.2343) / 3.0986)
+    assert torch.allclose(denormalize_latents(n, FLUX_LATENT_NORM), z, atol=1e-6)
+    image = normalize_latents(z[:, :, :1], SD3_LATENT_NORM)
+    assert torch.allclose(image, (z[:, :, :1] - 0.1490) / 1.8415)
+    assert LatentNorm.from_dict(FLUX_LATENT_NORM.to_dict()) == FLUX_LATENT_NORM
+    json.dumps(FLUX_LATENT_NORM.to_dict())
+
+
+# ---- adapter -------------------------------------------------------------------------------------------
+
+
+def test_adapter_contract(video: torch.Tensor) -> None:
+    vae = load_vae("causal-vae-tiny")
+    assert isinstance(vae, VideoVAE) and isinstance(vae, PyramidCausalVAE)
+    assert (vae.latent_channels, vae.spatial_factor, vae.temporal_factor) == (16, 8, 8)
+    assert [vae.valid_num_frames(n) for n in (0, 1, 8, 9, 16, 17, 24, 25, 100)] == [
+        0,
+        1,
+        1,
+        9,
+        9,
+        17,
+        17,
+        25,
+        97,
+    ]
+    full = vae.encode(video)
+    for mode in ("framewise", "exact"):
+        chunked = vae.encode(video, chunking=mode, chunk_frames=8)
+        assert _max_diff(chunked.mean, full.mean) < TOL
+    assert full.mean.dtype == torch.float32
+    out = vae.decode(full.mean, chunking="framewise", chunk_frames=1)
+    assert _max_diff(out, vae.decode(full.mean)) < TOL
+    with pytest.raises(ConfigError, match="blockwise"):
+        vae.encode(video, chunking="blockwise")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="chunk_frames"):
+        vae.encode(video, chunking="framewise", chunk_frames=6)
+    with pytest.raises(InputError, match="16"):
+        vae.encode(video[:, :, :16])
+    with pytest.raises(InputError, match="12x8"):
+        vae.encode(torch.zeros(1, 3, 1, 12, 8))
+    with pytest.raises(ConfigError, match="24"):
+        vae.encode(video, tile=24)
+
+
+def test_tiny_is_deterministic_and_fingerprinted() -> None:
+    a, b = load_vae("causal-vae-tiny"), load_vae("causal-vae-tiny")
+    assert a.fingerprint() == b.fingerprint()
+    with torch.no_grad():
+        next(b.module.parameters()).add_(1.0)
+    assert a.fingerprint() != b.fingerprint()
+
+
+def test_fp16_refused_bf16_allowed(video: torch.Tensor) -> None:
+    with pytest.raises(ConfigError, match="float16"):
+        load_vae("causal-vae-tiny", dtype=torch.float16)
+    with pytest.raises(ConfigError, match="float16"):
+        PyramidCausalVAE(build_tiny_causal_vae().half())
+    vae = load_vae("causal-vae-tiny", dtype="bf16")
+    assert next(vae.module.parameters()).dtype == torch.bfloat16
+    post = vae.encode(video[:, :, :1])
+    assert post.mean.dtype == torch.float32 and torch.isfinite(post.mean).all()
+
+
+def test_save_pretrained_round_trip(tmp_path, video: torch.Tensor) -> None:
+    model = build_tiny_causal_vae()
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "config.json").is_file()
+    assert (tmp_path / "diffusion_pytorch_model.safetensors").is_file()
+    assert json.loads((tmp_path / "config.json").read_text())["_class_name"] == "CausalVideoVAE"
+    again = CausalVideoVAE.from_pretrained(tmp_path)
+    assert again.state_dict().keys() == model.state_dict().keys()
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in model.state_dict().items())
+    adapter = load_vae(tmp_path)
+    assert adapter.fingerprint() == PyramidCausalVAE(model).fingerprint()
+    image = video[:, :, :1]
+    assert torch.equal(adapter.encode(image).mean, PyramidCausalVAE(model).encode(image).mean)
+
+
+def test_load_vae_checkpoint_root_and_errors(tmp_path) -> None:
+    build_tiny_causal_vae().save_pretrained(tmp_path / "causal_video_vae")
+    assert isinstance(load_vae(tmp_path), PyramidCausalVAE)  # the official checkpoint root layout
+    with pytest.raises(ModelLoadError, match="no-such-vae"):
+        load_vae("no-such-vae")
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({"_class_name": "SomethingElse"}))
+    with pytest.raises(ModelLoadError, match="SomethingElse"):
+        load_vae(odd)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"_class_name": "CausalVideoVAE", "interpolate": True}))
+    with pytest.raises(ModelLoadError, match="interpolate"):
+        load_vae(bad)
+
+
+def test_load_vae_dispatches_to_diffusers(tmp_path, monkeypatch) -> None:
+    calls = []
+    fake = types.ModuleType("pfctl.models.diffusers_vae")
+    fake.load_diffusers_vae = lambda spec, class_name, dtype, device: calls.append(
+        (spec, class_name, dtype, device)
+    )
+    monkeypatch.setitem(sys.modules, "pfctl.models.diffusers_vae", fake)
+    load_vae("wan-tiny")
+    folder = tmp_path / "cog"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"_class_name": "AutoencoderKLCogVideoX"}))
+    load_vae(folder, dtype="bf16")
+    assert calls == [
+        ("wan-tiny", None, torch.float32, "cpu"),
+        (str(folder), "AutoencoderKLCogVideoX", torch.bfloat16, "cpu"),
+    ]
