@@ -2,21 +2,158 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
+import typer
+
 from pfctl.cli._common import command_errors, print_config, resolve_config
 from pfctl.cli.options import PrintConfigOpt, RecipeOpt, SetOpt
 
 HELP = 'Check whether chunked ("framewise") VAE encoding equals a one-call encode: audit the norms, measure the error, offer an exact chunked encode.'
-EPILOG = "Example: pfctl verify-groupnorm --vae cogvideox-tiny --json report.json"
+EPILOG = (
+    "Examples: pfctl verify-groupnorm --vae cogvideox-tiny --json report.json  |  "
+    "pfctl verify-groupnorm --vae ./CogVideoX-2b/vae --video clip.mp4 --frames 49 --size 256x256. "
+    "Exit code 0 pass (or warn), 1 a path fails its tolerance, 2 usage error."
+)
+
+
+def _parse_size(size: str | None) -> tuple[int | None, int | None]:
+    if size is None:
+        return None, None
+    from pfctl.errors import ConfigError
+
+    text = size.lower().replace("×", "x")
+    try:
+        if "x" in text:
+            w, h = (int(v) for v in text.split("x", 1))
+        else:
+            w = h = int(text)
+    except ValueError:
+        raise ConfigError(
+            f"--size '{size}' is not WIDTHxHEIGHT", hint="e.g. --size 64x64 or --size 64"
+        ) from None
+    return h, w
+
+
+def _parse_chunks(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    from pfctl.errors import ConfigError
+
+    try:
+        return [int(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise ConfigError(
+            f"--chunk-sizes '{text}' is not a comma list of integers", hint="e.g. 4,8,16"
+        ) from None
+
+
+def _parse_tols(items: list[str] | None) -> dict[str, str]:
+    from pfctl.errors import ConfigError
+
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--tol '{item}' is not KEY=VALUE", hint="e.g. --tol approx_rel_l2_pass=0.05")
+        out[f"verify.tolerances.{key.strip()}"] = value.strip()
+    return out
 
 
 def verify_groupnorm(
-    recipe: RecipeOpt = None, overrides: SetOpt = None, show_config: PrintConfigOpt = False
+    vae: Annotated[
+        str | None,
+        typer.Option(
+            "--vae",
+            help="VAE folder (config.json _class_name: pfctl causal VAE or a diffusers video VAE) or built-in "
+            "name (causal-vae-tiny, cogvideox-tiny, wan-tiny, ltx-tiny, hunyuan-tiny, mochi-tiny).",
+            show_default=False,
+        ),
+    ] = None,
+    video: Annotated[
+        str | None,
+        typer.Option(
+            "--video",
+            help="Video file to test on; default: a synthetic clip with a fade and a cut.",
+            show_default=False,
+        ),
+    ] = None,
+    frames: Annotated[
+        int | None, typer.Option("--frames", help="Frames to encode (verify.num_frames).", show_default=False)
+    ] = None,
+    size: Annotated[
+        str | None,
+        typer.Option("--size", help="WIDTHxHEIGHT of the clip (verify.width/height).", show_default=False),
+    ] = None,
+    fps: Annotated[
+        float | None,
+        typer.Option("--fps", help="Sampling rate for --video (verify.fps).", show_default=False),
+    ] = None,
+    chunk_sizes: Annotated[
+        str | None,
+        typer.Option(
+            "--chunk-sizes",
+            help="Chunk sizes to sweep, e.g. 4,8,16 (verify.chunk_sizes).",
+            show_default=False,
+        ),
+    ] = None,
+    json_path: Annotated[
+        str | None, typer.Option("--json", help="Write the full report as JSON here.", show_default=False)
+    ] = None,
+    plot_path: Annotated[
+        str | None,
+        typer.Option(
+            "--plot",
+            help="Write a PNG of per-latent-frame error here (no matplotlib needed).",
+            show_default=False,
+        ),
+    ] = None,
+    tol: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--tol",
+            help="Override a tolerance, e.g. --tol exact_rel_l2=1e-4 (repeatable).",
+            show_default=False,
+        ),
+    ] = None,
+    recipe: RecipeOpt = None,
+    overrides: SetOpt = None,
+    show_config: PrintConfigOpt = False,
 ) -> None:
     with command_errors():
-        config = resolve_config(recipe, overrides)
+        height, width = _parse_size(size)
+        flags = {
+            "verify.vae": vae,
+            "verify.video": video,
+            "verify.num_frames": frames,
+            "verify.height": height,
+            "verify.width": width,
+            "verify.fps": fps,
+            "verify.chunk_sizes": _parse_chunks(chunk_sizes),
+            "verify.json_path": json_path,
+            "verify.plot_path": plot_path,
+            **_parse_tols(tol),
+        }
+        config = resolve_config(recipe, overrides, flags=flags)
         if show_config:
             print_config(config)
             return
         from pfctl import api
+        from pfctl.runtime.logging import log
+        from pfctl.verify.report import render
 
-        api.verify_groupnorm(config)
+        report = api.verify_groupnorm(config)
+        render(report)
+        for line in _written(config):
+            log(line)
+        if report.exit_code:
+            raise typer.Exit(report.exit_code)
+
+
+def _written(config) -> list[str]:
+    lines = []
+    if config.verify.json_path:
+        lines.append(f"report written to {config.verify.json_path}")
+    if config.verify.plot_path:
+        lines.append(f"per-latent-frame error plot written to {config.verify.plot_path}")
+    return lines

@@ -1,0 +1,530 @@
+"""Adapters that give diffusers' video VAEs the :class:`pfctl.models.vae.VideoVAE` interface.
+
+Each diffusers video VAE chunks time in its own way (CogVideoX always runs the encoder on 8-frame
+batches, Wan on 1+4+4+… frames with a feature cache, LTX and HunyuanVideo on overlapping temporal tiles,
+Mochi not at all). The adapter makes the three encode modes explicit arguments instead of hidden
+module state:
+
+- ``chunking="none"``: one encoder call over the whole clip (for CogVideoX that means calling
+  ``encoder`` + ``quant_conv`` directly, because the library has no switch to turn frame batching off);
+- ``chunking="framewise"``: the library's own chunked path (``chunk_frames`` picks another chunk size);
+- ``chunking="exact"``: chunked with bounded memory *and* equal to ``"none"`` — for time-coupled
+  GroupNorms this is :func:`pfctl.verify.exact.exact_chunked_encode` (layer-synchronous statistics).
+
+Module state the library keeps (``num_sample_frames_batch_size``, tile sizes, framewise flags) is set
+for the duration of one call and restored, so calls never leak settings into each other.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pfctl.errors import ConfigError, InputError, ModelLoadError
+
+try:  # the shared Posterior type lives with the VideoVAE protocol (another module of pfctl)
+    from pfctl.models.vae import Posterior  # type: ignore[attr-defined]
+except Exception:  # pragma: no cover - only while pfctl.models.vae is not there yet
+
+    @dataclass
+    class Posterior:  # type: ignore[no-redef]
+        """A diagonal Gaussian over latents (mean, std)."""
+
+        mean: torch.Tensor
+        std: torch.Tensor
+
+        def sample(self, generator: torch.Generator | None = None) -> torch.Tensor:
+            noise = torch.randn(
+                self.mean.shape, generator=generator, device=self.mean.device, dtype=self.mean.dtype
+            )
+            return self.mean + self.std * noise
+
+
+DIFFUSERS_CLASSES = (
+    "AutoencoderKLCogVideoX",
+    "AutoencoderKLWan",
+    "AutoencoderKLLTXVideo",
+    "AutoencoderKLHunyuanVideo",
+    "AutoencoderKLMochi",
+)
+"""The diffusers video VAE classes pfctl adapts (``_class_name`` in ``config.json``)."""
+
+TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "cogvideox-tiny": (
+        "AutoencoderKLCogVideoX",
+        dict(block_out_channels=(8, 8, 8, 8), latent_channels=4, layers_per_block=1, norm_num_groups=2),
+    ),
+    "wan-tiny": ("AutoencoderKLWan", dict(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1)),
+    "ltx-tiny": (
+        "AutoencoderKLLTXVideo",
+        dict(
+            latent_channels=4,
+            block_out_channels=(8, 8, 8, 8),
+            decoder_block_out_channels=(8, 8, 8, 8),
+            layers_per_block=(1, 1, 1, 1, 1),
+            decoder_layers_per_block=(1, 1, 1, 1, 1),
+            spatio_temporal_scaling=(True, True, False, False),
+            decoder_spatio_temporal_scaling=(True, True, False, False),
+            decoder_inject_noise=(False, False, False, False, False),
+            upsample_residual=(False, False, False, False),
+            upsample_factor=(1, 1, 1, 1),
+            patch_size=1,
+            patch_size_t=1,
+        ),
+    ),
+    "hunyuan-tiny": (
+        "AutoencoderKLHunyuanVideo",
+        dict(
+            latent_channels=4,
+            block_out_channels=(8, 8, 8, 8),
+            layers_per_block=1,
+            norm_num_groups=2,
+            down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+            up_block_types=("HunyuanVideoUpBlock3D",) * 4,
+        ),
+    ),
+    "mochi-tiny": (
+        "AutoencoderKLMochi",
+        dict(
+            encoder_block_out_channels=(32, 32, 32, 32),
+            decoder_block_out_channels=(32, 32, 32, 32),
+            latent_channels=4,
+            layers_per_block=(1, 1, 1, 1, 1),
+        ),
+    ),
+}
+"""Built-in random-weight configs: they run in well under a second and check the algebra of chunking,
+never the size of the error of a trained model."""
+
+CHUNKINGS = ("none", "framewise", "exact")
+
+
+def _diffusers_class(class_name: str) -> type:
+    if class_name not in DIFFUSERS_CLASSES:
+        raise ModelLoadError(
+            f"VAE class '{class_name}' is not supported by pfctl's diffusers adapters",
+            hint=f"supported: {', '.join(DIFFUSERS_CLASSES)}",
+        )
+    import diffusers
+
+    return getattr(diffusers, class_name)
+
+
+def _resolve_folder(path: Path) -> Path:
+    """A VAE folder, or a pipeline folder with a ``vae/`` subfolder."""
+    if (path / "config.json").is_file():
+        return path
+    if (path / "vae" / "config.json").is_file():
+        return path / "vae"
+    raise ModelLoadError(
+        f"no config.json in {path} (nor in {path / 'vae'})",
+        hint="pass a diffusers VAE folder (save_pretrained layout) or a built-in name such as cogvideox-tiny",
+    )
+
+
+def read_class_name(path: str | Path) -> str | None:
+    """``_class_name`` of a folder's config.json (None when the folder has none)."""
+    folder = Path(path).expanduser()
+    try:
+        folder = _resolve_folder(folder)
+        data = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (ModelLoadError, OSError, json.JSONDecodeError):
+        return None
+    name = data.get("_class_name")
+    return name if isinstance(name, str) else None
+
+
+def is_diffusers_spec(spec: str) -> bool:
+    """True when ``spec`` names a built-in tiny diffusers VAE or a folder holding a supported class."""
+    if spec in TINY_CONFIGS:
+        return True
+    return read_class_name(spec) in DIFFUSERS_CLASSES
+
+
+def load_diffusers_vae(
+    spec: str,
+    class_name: str | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> DiffusersVideoVAE:
+    """Load a diffusers video VAE by built-in tiny name or from a local folder.
+
+    Tiny models are built from a fixed seed without touching the global RNG, so two loads give the same
+    weights (and the same fingerprint).
+    """
+    if spec in TINY_CONFIGS:
+        cls_name, kwargs = TINY_CONFIGS[spec]
+        cls = _diffusers_class(cls_name)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            module = cls(**kwargs)
+        if dtype != torch.float32:
+            module = module.to(dtype=dtype)
+        module = module.to(device=device).eval()
+        return DiffusersVideoVAE(module, spec=spec, is_demo=True)
+    folder = Path(spec).expanduser()
+    if not folder.exists():
+        raise InputError(
+            f"VAE '{spec}' is neither a folder nor a built-in name",
+            hint=f"built-in tiny VAEs: {', '.join(TINY_CONFIGS)}",
+        )
+    folder = _resolve_folder(folder)
+    cls_name = class_name or read_class_name(folder)
+    if cls_name is None:
+        raise ModelLoadError(f"{folder / 'config.json'} has no _class_name", hint="pass class_name=")
+    cls = _diffusers_class(cls_name)
+    try:
+        module = cls.from_pretrained(str(folder), torch_dtype=dtype)
+    except Exception as exc:  # diffusers raises many types (OSError, ValueError, EnvironmentError)
+        raise ModelLoadError(
+            f"cannot load {cls_name} from {folder}: {type(exc).__name__}: {exc}",
+            hint="check that the folder holds config.json and diffusion_pytorch_model.safetensors",
+        ) from None
+    module = module.to(device=device).eval()
+    return DiffusersVideoVAE(module, spec=str(folder), is_demo=False)
+
+
+@contextmanager
+def _attrs(obj: Any, **values: Any) -> Iterator[None]:
+    """Set attributes for the duration of a block and restore them (library knobs are module state)."""
+    old = {k: getattr(obj, k) for k in values}
+    try:
+        for k, v in values.items():
+            setattr(obj, k, v)
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(obj, k, v)
+
+
+def _round_up(n: int, m: int) -> int:
+    return max(m, -(-n // m) * m)
+
+
+class DiffusersVideoVAE:
+    """The VideoVAE interface over one diffusers video VAE instance (see the module docstring)."""
+
+    def __init__(self, module: torch.nn.Module, *, spec: str, is_demo: bool) -> None:
+        self.module = module
+        self.spec = spec
+        self.is_demo = is_demo
+        self.class_name = type(module).__name__
+        self.name = self.class_name
+        cfg = module.config
+        self.latent_channels = int(cfg.latent_channels if "latent_channels" in cfg else cfg.z_dim)
+        self.family = {
+            "AutoencoderKLCogVideoX": "cogvideox",
+            "AutoencoderKLWan": "wan",
+            "AutoencoderKLLTXVideo": "ltx",
+            "AutoencoderKLHunyuanVideo": "hunyuan",
+            "AutoencoderKLMochi": "mochi",
+        }[self.class_name]
+        self.temporal_factor, self.spatial_factor = self._factors()
+
+    # ------------------------------------------------------------------ shape facts
+    def _factors(self) -> tuple[int, int]:
+        m, cfg = self.module, self.module.config
+        if self.family == "cogvideox":
+            return int(cfg.temporal_compression_ratio), 2 ** (len(cfg.block_out_channels) - 1)
+        if self.family == "wan":
+            t = 2 ** sum(bool(v) for v in cfg.temperal_downsample)
+            s = 2 ** len(cfg.temperal_downsample) * (cfg.patch_size or 1)
+            return t, s
+        return int(m.temporal_compression_ratio), int(m.spatial_compression_ratio)
+
+    @property
+    def frame_modulus(self) -> int:
+        """Frame counts that round-trip are 1 + modulus·k. CogVideoX's decoder runs latents two at a
+        time with the odd remainder first, so only an odd latent count (1 + 2·t·k frames) comes back
+        whole; the others follow their temporal factor."""
+        return 2 * self.temporal_factor if self.family == "cogvideox" else self.temporal_factor
+
+    @property
+    def frame_contract(self) -> str:
+        return f"1+{self.frame_modulus}k"
+
+    def valid_num_frames(self, n: int) -> int:
+        """Largest contract-valid frame count <= n (0 if none)."""
+        if n < 1:
+            return 0
+        return 1 + self.frame_modulus * ((n - 1) // self.frame_modulus)
+
+    def num_latent_frames(self, n: int) -> int:
+        return (n - 1) // self.temporal_factor + 1
+
+    # ------------------------------------------------------------------ chunk plans
+    def chunk_align(self) -> int:
+        """Chunk sizes (after the first chunk) must be multiples of this to keep strided time ops aligned."""
+        return self.temporal_factor
+
+    def chunk_plan(self, num_frames: int, chunk_frames: int | None = None) -> list[int]:
+        """Frame counts per encoder call of the framewise path (first chunk takes the remainder).
+
+        For LTX/HunyuanVideo (overlapping temporal tiles) these are the tile *strides*: the boundaries
+        where one tile's output hands over to the next.
+        """
+        T = num_frames
+        if self.family == "cogvideox":
+            c = chunk_frames or int(self.module.num_sample_frames_batch_size)
+            n, r = max(T // c, 1), T % c
+            plan = [c + r] + [c] * (n - 1) if n > 1 else [T]
+            return plan if sum(plan) == T else [T]
+        if self.family == "wan":
+            c = chunk_frames or 4
+            plan, left = [1], T - 1
+            while left > 0:
+                plan.append(min(c, left))
+                left -= plan[-1]
+            return plan
+        if self.family in ("ltx", "hunyuan"):
+            stride = chunk_frames or int(self.module.tile_sample_stride_num_frames)
+            if self._tile_min(chunk_frames) >= T:
+                return [T]
+            plan, left = [1 + stride], T - 1 - stride
+            while left > 0:
+                plan.append(min(stride, left))
+                left -= plan[-1]
+            return plan
+        return [T]
+
+    def _tile_min(self, chunk_frames: int | None) -> int:
+        m = self.module
+        if chunk_frames is None:
+            return int(m.tile_sample_min_num_frames)
+        ratio = m.tile_sample_min_num_frames / m.tile_sample_stride_num_frames
+        return _round_up(round(chunk_frames * ratio), self.temporal_factor)
+
+    def chunking_note(self) -> str:
+        """One line on what the library's own chunked path does (printed in reports)."""
+        return {
+            "cogvideox": "library always frame-batches the encoder (num_sample_frames_batch_size=8, remainder "
+            "first) with a causal conv cache; GroupNorm sees one chunk",
+            "wan": "library encodes 1, 4, 4, … frames with a feature cache (CACHE_T=2); norms are RMS over C",
+            "ltx": "framewise encoding = overlapping temporal tiles (16+1 frames, stride 8, 1 latent blended), "
+            "no cache; off by default",
+            "hunyuan": "framewise encoding ON by default above 16 frames: overlapping temporal tiles "
+            "(16+1 frames, stride 12, blended), no cache",
+            "mochi": "no framewise encode (the library raises NotImplementedError: attention over time)",
+        }[self.family]
+
+    # ------------------------------------------------------------------ encode
+    def _prep(self, video: torch.Tensor) -> torch.Tensor:
+        if video.ndim != 5:
+            raise InputError(f"video must be (B, C, T, H, W), got shape {tuple(video.shape)}")
+        p = next(self.module.parameters())
+        return video.to(device=p.device, dtype=p.dtype)
+
+    def encode_moments(
+        self, video: torch.Tensor, *, chunking: str = "none", chunk_frames: int | None = None, **exact_kw: Any
+    ) -> torch.Tensor:
+        """Raw encoder moments (B, 2·C, t, h, w): mean and log-variance stacked on channels."""
+        if chunking not in CHUNKINGS:
+            raise ConfigError(f"chunking '{chunking}' is not one of {', '.join(CHUNKINGS)}")
+        if chunk_frames is not None:
+            chunk_frames = _round_up(int(chunk_frames), self.chunk_align())
+        x = self._prep(video)
+        with torch.no_grad():
+            if chunking == "none":
+                return self._encode_one_call(x)
+            if chunking == "framewise":
+                return self._encode_framewise(x, chunk_frames)
+            return self._encode_exact(x, chunk_frames, **exact_kw)
+
+    def encode(
+        self,
+        video: torch.Tensor,
+        *,
+        chunking: str = "none",
+        chunk_frames: int | None = None,
+        tile: Any = None,
+        **exact_kw: Any,
+    ) -> Posterior:
+        """Posterior over latents for a (B, 3, T, H, W) clip in [-1, 1]. ``tile`` is not supported here."""
+        if tile is not None:
+            raise ConfigError(
+                "spatial tiling is not offered by pfctl's diffusers adapters", hint="drop tile="
+            )
+        moments = self.encode_moments(video, chunking=chunking, chunk_frames=chunk_frames, **exact_kw)
+        mean, logvar = moments.chunk(2, dim=1)
+        logvar = logvar.clamp(-30.0, 20.0)
+        return Posterior(mean=mean, std=torch.exp(0.5 * logvar))
+
+    def _encode_one_call(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        if self.family == "cogvideox":
+            h, _ = m.encoder(x)
+            return m.quant_conv(h) if m.quant_conv is not None else h
+        if self.family == "wan":
+            return self._wan_encode(x, [1, x.shape[2] - 1] if x.shape[2] > 1 else [1])
+        if self.family == "ltx":
+            return m.encoder(x)
+        if self.family == "hunyuan":
+            return m.quant_conv(m.encoder(x))
+        h, _ = m.encoder(x)
+        return h
+
+    def _wan_encode(self, x: torch.Tensor, plan: list[int]) -> torch.Tensor:
+        """Wan's encoder over an explicit chunk plan with its feature cache (the first chunk must be 1 frame:
+        the time downsamplers skip their strided conv on the first call)."""
+        m = self.module
+        if m.config.patch_size is not None:
+            from diffusers.models.autoencoders.autoencoder_kl_wan import patchify
+
+            x = patchify(x, patch_size=m.config.patch_size)
+        m.clear_cache()
+        outs, start = [], 0
+        try:
+            for n in plan:
+                m._enc_conv_idx = [0]
+                outs.append(
+                    m.encoder(
+                        x[:, :, start : start + n], feat_cache=m._enc_feat_map, feat_idx=m._enc_conv_idx
+                    )
+                )
+                start += n
+        finally:
+            m.clear_cache()
+        return m.quant_conv(torch.cat(outs, dim=2))
+
+    def _encode_framewise(self, x: torch.Tensor, chunk_frames: int | None) -> torch.Tensor:
+        m, T = self.module, x.shape[2]
+        if self.family == "cogvideox":
+            c = chunk_frames or int(m.num_sample_frames_batch_size)
+            with _attrs(m, num_sample_frames_batch_size=c, use_tiling=False):
+                return m._encode(x)
+        if self.family == "wan":
+            if chunk_frames is None:
+                with _attrs(m, use_tiling=False):
+                    return m._encode(x)
+            return self._wan_encode(x, self.chunk_plan(T, chunk_frames))
+        if self.family in ("ltx", "hunyuan"):
+            knobs: dict[str, Any] = {"use_tiling": False}
+            if chunk_frames is not None:
+                knobs.update(
+                    tile_sample_min_num_frames=self._tile_min(chunk_frames),
+                    tile_sample_stride_num_frames=chunk_frames,
+                )
+            with _attrs(m, **knobs):
+                if m.tile_sample_min_num_frames >= T:
+                    return self._encode_one_call(x)
+                return m._temporal_tiled_encode(x)
+        raise ConfigError(
+            "AutoencoderKLMochi has no framewise encode (its encoder attends over time)",
+            hint="use chunking='none'",
+        )
+
+    def _encode_exact(self, x: torch.Tensor, chunk_frames: int | None, **kw: Any) -> torch.Tensor:
+        if self.family == "cogvideox":
+            from pfctl.verify.exact import exact_chunked_encode
+
+            plan = self.chunk_plan(x.shape[2], chunk_frames)
+            return exact_chunked_encode(self, x, plan, **kw).moments
+        if self.family == "wan":  # every norm is channel-only: the cached framewise path is already exact
+            return self._encode_framewise(x, chunk_frames)
+        raise ConfigError(
+            f"chunking='exact' is not available for {self.class_name}",
+            hint="its encoder attends over time or its framewise path carries no conv cache; use 'none'",
+        )
+
+    # ---- hooks for pfctl.verify.exact (layer-synchronous chunked encode)
+    @property
+    def uses_exact_engine(self) -> bool:
+        """True when chunking="exact" needs the layer-synchronous engine (time-coupled GroupNorms)."""
+        return self.family == "cogvideox"
+
+    def exact_chunk_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Runs the encoder on one chunk *without* the library's cache (the exact engine carries it)."""
+        m = self.module
+
+        def run(chunk: torch.Tensor) -> torch.Tensor:
+            h, _ = m.encoder(chunk)
+            return m.quant_conv(h) if m.quant_conv is not None else h
+
+        return run
+
+    def exact_patches(self, engine: Any) -> list[tuple[torch.nn.Module, Callable[..., Any]]]:
+        """(module, replacement forward) pairs that route causal-conv padding through the engine."""
+        from diffusers.models.autoencoders.autoencoder_kl_cogvideox import CogVideoXCausalConv3d
+
+        patches: list[tuple[torch.nn.Module, Callable[..., Any]]] = []
+        for name, mod in self.module.encoder.named_modules():
+            if isinstance(mod, CogVideoXCausalConv3d):
+                if mod.pad_mode == "replicate":
+                    raise ConfigError(f"exact chunking needs cache-mode causal convs ({name} replicates)")
+
+                def fwd(inputs: torch.Tensor, conv_cache: Any = None, _m: Any = mod, _n: str = name) -> Any:
+                    k = _m.time_kernel_size
+                    if k > 1:
+                        inputs = engine.causal_input(
+                            _n, inputs, k, 1, lambda h, k=k: torch.cat([h[:, :, :1]] * (k - 1) + [h], dim=2)
+                        )
+                    return _m.conv(inputs), None
+
+                patches.append((mod, fwd))
+        return patches
+
+    # ------------------------------------------------------------------ decode
+    def decode(
+        self,
+        latents: torch.Tensor,
+        *,
+        chunking: str = "none",
+        chunk_frames: int | None = None,
+        tile: Any = None,
+    ) -> torch.Tensor:
+        """Raw latents (not normalised) → (B, 3, T, H, W) in about [-1, 1]."""
+        m = self.module
+        p = next(m.parameters())
+        z = latents.to(device=p.device, dtype=p.dtype)
+        with torch.no_grad():
+            if chunking == "none" and self.family == "cogvideox":
+                if m.post_quant_conv is not None:
+                    z = m.post_quant_conv(z)
+                return m.decoder(z)[0]
+            if chunking == "none" and self.family in ("ltx", "hunyuan"):
+                with _attrs(m, use_framewise_decoding=False, use_tiling=False):
+                    return m.decode(z).sample
+            with _attrs(m, use_tiling=False):
+                return m.decode(z).sample
+
+    # ------------------------------------------------------------------ normalisation
+    def _norm_factors(self, z: torch.Tensor) -> tuple[torch.Tensor | float, torch.Tensor | float, float]:
+        cfg = self.module.config
+        scale = float(cfg.get("scaling_factor", 1.0) or 1.0)
+        mean = cfg.get("latents_mean")
+        std = cfg.get("latents_std")
+        if mean is None and isinstance(getattr(self.module, "latents_mean", None), torch.Tensor):
+            mean, std = self.module.latents_mean.tolist(), self.module.latents_std.tolist()  # LTX: buffers
+        if mean is not None and std is not None:
+            shape = (1, -1) + (1,) * (z.ndim - 2)
+            m = torch.tensor(mean, dtype=z.dtype, device=z.device).view(shape)
+            s = torch.tensor(std, dtype=z.dtype, device=z.device).view(shape)
+            return m, s, scale
+        shift = float(cfg.get("shift_factor", 0.0) or 0.0)
+        if cfg.get("invert_scale_latents", False):
+            scale = 1.0 / scale
+        return shift, 1.0, scale
+
+    def normalize(self, z: torch.Tensor) -> torch.Tensor:
+        """The latent normalisation the diffusion model of this VAE trains on (never in place)."""
+        mean, std, scale = self._norm_factors(z)
+        return (z - mean) * scale / std
+
+    def denormalize(self, z: torch.Tensor) -> torch.Tensor:
+        mean, std, scale = self._norm_factors(z)
+        return z * std / scale + mean
+
+    def fingerprint(self) -> str:
+        from pfctl.utils.io import fingerprint, tensor_fingerprint
+
+        cfg = {k: v for k, v in dict(self.module.config).items() if not k.startswith("_")}
+        weights = tensor_fingerprint(self.module.state_dict())
+        return fingerprint({"class": self.class_name, "config": cfg, "weights": weights})

@@ -1,0 +1,26 @@
+"""verify-groupnorm: is chunked ("framewise") VAE encoding equal to a one-call encode?
+
+- :mod:`pfctl.verify.audit` — hooks on a real forward classify norms (time-coupled / per-frame /
+  channel-only) and attention, and test chunking flags;
+- :mod:`pfctl.verify.measure` — statistics drift, latent/decoded errors, flicker, peak memory;
+- :mod:`pfctl.verify.exact` — the exact chunked encode (layer-synchronous two-pass GroupNorm statistics);
+- :mod:`pfctl.verify.report` — the JSON schema, rich tables, PNG plot;
+- :mod:`pfctl.verify.run` — the command from config to report.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pfctl.config.schema import RecipeConfig
+    from pfctl.verify.report import GroupNormReport
+
+
+def verify_groupnorm(config: RecipeConfig, **options: Any) -> GroupNormReport:
+    """Run the check described by ``config.verify``; write --json/--plot outputs; return the report."""
+    from pfctl.verify.run import run_verify, write_outputs
+
+    report = run_verify(config)
+    write_outputs(report, config.verify.json_path, config.verify.plot_path)
+    return report

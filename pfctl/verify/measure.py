@@ -1,0 +1,260 @@
+"""Numbers for verify-groupnorm: per-layer statistics drift, latent and decoded errors, flicker at chunk
+boundaries, peak memory. Pure functions of tensors (plus one hook context), so they are testable on toys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import math
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pfctl.verify.exact import chan_merge, tune_malloc_for_threads
+
+
+# ---------------------------------------------------------------------------------------- GN statistics
+@dataclass
+class CallStats:
+    """Statistics one GroupNorm call used: per (sample, group) count, mean, variance (float64)."""
+
+    count: torch.Tensor
+    mean: torch.Tensor
+    var: torch.Tensor
+
+
+@contextlib.contextmanager
+def capture_group_stats(root: nn.Module) -> Iterator[dict[str, list[CallStats]]]:
+    """Record, for every nn.GroupNorm under ``root`` that receives a 5D tensor, the statistics of each call."""
+    records: dict[str, list[CallStats]] = {}
+    handles = []
+    current: list[str | None] = [None]
+
+    def record(name: str, x: torch.Tensor, groups: int) -> None:
+        xg = x.detach().reshape(x.shape[0], groups, -1).to(torch.float64)
+        var, mean = torch.var_mean(xg, dim=-1, correction=0)
+        count = torch.full_like(mean, float(xg.shape[-1]))
+        records.setdefault(name, []).append(CallStats(count.cpu(), mean.cpu(), var.cpu()))
+
+    for name, mod in root.named_modules():
+        if isinstance(mod, nn.GroupNorm):
+            plain = type(mod).forward is nn.GroupNorm.forward
+
+            def pre(m: nn.GroupNorm, args: tuple, _n: str = name, _plain: bool = plain) -> None:
+                if _plain:  # stats of what the module normalises (also under the exact engine's patch)
+                    if args[0].ndim == 5:
+                        record(_n, args[0], m.num_groups)
+                else:  # a subclass may fold time away first: look at what reaches F.group_norm
+                    current[0] = _n
+
+            def post(m: nn.Module, args: tuple, out: Any) -> None:
+                current[0] = None
+
+            handles.append(mod.register_forward_pre_hook(pre))
+            handles.append(mod.register_forward_hook(post))
+    original = F.group_norm
+
+    def group_norm(x: torch.Tensor, num_groups: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if current[0] is not None and x.ndim == 5:
+            record(current[0], x, num_groups)
+        return original(x, num_groups, *args, **kwargs)
+
+    F.group_norm = group_norm
+    try:
+        yield records
+    finally:
+        F.group_norm = original
+        for h in handles:
+            h.remove()
+
+
+def merge_calls(calls: Sequence[CallStats]) -> CallStats:
+    """Whole-clip statistics from the calls of a pass that covered the clip in pieces (Chan merge)."""
+    n, mean, m2 = calls[0].count, calls[0].mean, calls[0].var * calls[0].count
+    for c in calls[1:]:
+        n, mean, m2 = chan_merge((n, mean, m2), (c.count, c.mean, c.var * c.count))
+    return CallStats(n, mean, m2 / n)
+
+
+@dataclass
+class LayerDrift:
+    name: str
+    chunks: int
+    d_mu_max: float
+    d_mu_p95: float
+    d_sigma_max: float
+    d_sigma_p95: float
+
+
+def _p95(t: torch.Tensor) -> float:
+    return float(torch.quantile(t.flatten().to(torch.float64), 0.95)) if t.numel() else 0.0
+
+
+def layer_drift(
+    full: dict[str, list[CallStats]],
+    chunked: dict[str, list[CallStats]],
+    eps: dict[str, float] | float = 1e-6,
+) -> list[LayerDrift]:
+    """Per layer and over (chunk, sample, group): d_mu = |mu_k - mu| / sigma, d_sigma = |ln(sigma_k / sigma)|.
+
+    mu, sigma come from the full pass at that layer; mu_k, sigma_k are what chunk k's call actually used
+    (so the drift of deep layers includes what earlier layers already changed). sigma includes the
+    norm's eps, as the norm itself does. Layers keep the full pass's execution order.
+    """
+    out = []
+    for name, calls in full.items():
+        if name not in chunked:
+            continue
+        e = eps[name] if isinstance(eps, dict) else eps
+        ref = merge_calls(calls)
+        sigma = torch.sqrt(ref.var + e)
+        d_mu = torch.stack([(c.mean - ref.mean).abs() / sigma for c in chunked[name]])
+        d_sigma = torch.stack([(torch.log(torch.sqrt(c.var + e) / sigma)).abs() for c in chunked[name]])
+        out.append(
+            LayerDrift(
+                name=name,
+                chunks=len(chunked[name]),
+                d_mu_max=float(d_mu.max()),
+                d_mu_p95=_p95(d_mu),
+                d_sigma_max=float(d_sigma.max()),
+                d_sigma_p95=_p95(d_sigma),
+            )
+        )
+    return out
+
+
+def group_norm_eps(root: nn.Module) -> dict[str, float]:
+    return {n: float(m.eps) for n, m in root.named_modules() if isinstance(m, nn.GroupNorm)}
+
+
+# ---------------------------------------------------------------------------------------- latent / pixels
+def latent_metrics(ref: torch.Tensor, out: torch.Tensor) -> dict[str, Any]:
+    """Errors of posterior means ``out`` against ``ref`` (B, C, t, h, w), all float64."""
+    ref = ref.detach().to(torch.float64).cpu()
+    out = out.detach().to(torch.float64).cpu()
+    if ref.shape != out.shape:
+        raise ValueError(f"latent shapes differ: {tuple(ref.shape)} vs {tuple(out.shape)}")
+    diff = out - ref
+    ref_norm = float(ref.norm()) or 1.0
+    per_frame = []
+    for t in range(ref.shape[2]):
+        denom = float(ref[:, :, t].norm()) or 1.0
+        per_frame.append(float(diff[:, :, t].norm()) / denom)
+    dims = (0, 2, 3, 4)
+    std = ref.std(dim=dims).clamp_min(1e-12)
+    mean_shift = ((out.mean(dim=dims) - ref.mean(dim=dims)).abs() / std).tolist()
+    std_shift = ((out.std(dim=dims) - ref.std(dim=dims)).abs() / std).tolist()
+    return {
+        "max_abs": float(diff.abs().max()),
+        "mean_abs": float(diff.abs().mean()),
+        "rel_l2": float(diff.norm()) / ref_norm,
+        "per_frame_rel_l2": per_frame,
+        "channel_mean_shift": mean_shift,
+        "channel_std_shift": std_shift,
+    }
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor, data_range: float = 2.0) -> float:
+    """PSNR in dB for videos in [-1, 1] (range 2); +inf when identical."""
+    mse = float(((a.double() - b.double()) ** 2).mean())
+    return math.inf if mse == 0 else 10.0 * math.log10(data_range**2 / mse)
+
+
+def boundaries(plan: Sequence[int]) -> list[int]:
+    """Frame indices where a new chunk starts (excluding 0)."""
+    out, pos = [], 0
+    for n in plan[:-1]:
+        pos += n
+        out.append(pos)
+    return out
+
+
+def flicker_score(full: torch.Tensor, chunked: torch.Tensor, plan: Sequence[int]) -> float | None:
+    """Mean step of the per-frame mean-luminance *error* at chunk boundaries ÷ mean step within chunks.
+
+    Measured on the error signal e_t = lum(chunked_t) - lum(full_t), so the clip's own fades and cuts
+    do not count. ~1 means no seam; ≫1 means a brightness jump every chunk. None when there is no
+    error to speak of (|e| < 1e-6) or no boundary.
+    """
+    weights = torch.tensor([0.299, 0.587, 0.114], dtype=torch.float64).view(1, 3, 1, 1, 1)
+    lum = lambda v: (v.double().cpu() * weights).sum(1).mean(dim=(0, 2, 3))  # noqa: E731
+    e = lum(chunked) - lum(full)
+    bnd = [b for b in boundaries(plan) if 0 < b < e.shape[0]]
+    if not bnd or float(e.abs().max()) < 1e-6:
+        return None
+    steps = (e[1:] - e[:-1]).abs()  # steps[t-1] = |e_t - e_{t-1}|
+    at = torch.tensor([b - 1 for b in bnd])
+    mask = torch.ones_like(steps, dtype=torch.bool)
+    mask[at] = False
+    within = float(steps[mask].mean()) if mask.any() else 0.0
+    across = float(steps[at].mean())
+    return across / max(within, 1e-12)
+
+
+# ---------------------------------------------------------------------------------------- memory
+def _proc_status(key: str) -> int | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _trim_heap() -> None:
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def peak_memory(fn: Callable[[], Any], device: torch.device | str) -> tuple[int | None, str]:
+    """Peak extra memory while ``fn()`` runs, and how it was measured.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` above the allocation before the call. CPU (Linux): the
+    process's peak resident set (VmHWM, reset through /proc/self/clear_refs) above the resident set
+    before the call, after a gc + malloc_trim. Other systems: not measured (None).
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(
+            device
+        ) - base, "torch.cuda.max_memory_allocated above baseline"
+    if os.name != "posix" or _proc_status("VmHWM") is None:
+        fn()
+        return None, "not measured (needs Linux /proc or CUDA)"
+    tune_malloc_for_threads()  # large blocks mmapped → the resident set follows live tensors
+    _trim_heap()
+    if not _reset_peak_rss():
+        fn()
+        return None, "not measured (/proc/self/clear_refs not writable)"
+    base = _proc_status("VmRSS") or 0
+    fn()
+    peak = _proc_status("VmHWM") or 0
+    return max(0, peak - base), (
+        "peak RSS above RSS before the call (VmHWM reset via /proc/self/clear_refs; glibc with one arena and "
+        "a fixed 128 KiB mmap threshold, so freed tensors leave the resident set)"
+    )
