@@ -2,19 +2,113 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
+import typer
+
 from pfctl.cli._common import command_errors, print_config, resolve_config
-from pfctl.cli.options import PrintConfigOpt, RecipeOpt, SetOpt
+from pfctl.cli.options import ModelOpt, OutputDirOpt, PrintConfigOpt, RecipeOpt, SetOpt
 
 HELP = "Text-to-video and image-to-video with the pyramid sampler; writes mp4 + a JSON sidecar."
-EPILOG = 'Example: pfctl generate "a red circle moving right" -o outputs/'
+EPILOG = (
+    'Examples: pfctl generate "a red circle moving right" -o outputs/  ·  '
+    "pfctl generate --prompts prompts.jsonl --duration 5 -m ./pyramid-flow-miniflux  ·  "
+    'pfctl generate "the wave rolls in" --image beach.jpg --temp 16'
+)
+
+PromptArg = Annotated[
+    str | None,
+    typer.Argument(help='The prompt ("" = unconditional). Omit when using --prompts.', show_default=False),
+]
+PromptsFileOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--prompts",
+        help="File of prompts: one per line, or JSONL with per-prompt seed/temp/guidance_scale/image.",
+        show_default=False,
+    ),
+]
+ImageOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--image",
+        help="Image-to-video: the first frame (resized to cover, center-cropped).",
+        show_default=False,
+    ),
+]
+TempOpt = Annotated[
+    int | None,
+    typer.Option("--temp", help="Latent frames (units): frames = (temp-1)*8+1.", show_default=False),
+]
+FramesOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--frames", help="Video frames; rounded to the nearest (temp-1)*8+1 (said).", show_default=False
+    ),
+]
+DurationOpt = Annotated[
+    float | None,
+    typer.Option("--duration", help="Seconds at generate.fps; converted to temp (said).", show_default=False),
+]
+SeedOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--seed", help="Seed of the first video (generate.seed; default runtime.seed).", show_default=False
+    ),
+]
+NumVideosOpt = Annotated[
+    int | None,
+    typer.Option("--num-videos", help="Videos per prompt (seeds seed, seed+1, ...).", show_default=False),
+]
 
 
-def generate(recipe: RecipeOpt = None, overrides: SetOpt = None, show_config: PrintConfigOpt = False) -> None:
+def generate(
+    prompt: PromptArg = None,
+    prompts_file: PromptsFileOpt = None,
+    image: ImageOpt = None,
+    temp: TempOpt = None,
+    frames: FramesOpt = None,
+    duration: DurationOpt = None,
+    seed: SeedOpt = None,
+    num_videos: NumVideosOpt = None,
+    model: ModelOpt = None,
+    output_dir: OutputDirOpt = None,
+    recipe: RecipeOpt = None,
+    overrides: SetOpt = None,
+    show_config: PrintConfigOpt = False,
+) -> None:
     with command_errors():
-        config = resolve_config(recipe, overrides)
+        from pfctl.config.generate import PromptSpec, choose_length, read_prompts
+        from pfctl.errors import InputError
+        from pfctl.runtime.logging import log
+
+        flags = {
+            "model.path": model,
+            "generate.output_dir": output_dir,
+            "generate.seed": seed,
+            "generate.num_videos": num_videos,
+        }
+        config = resolve_config(recipe, overrides, flags)
+        length = choose_length(temp=temp, frames=frames, duration=duration, fps=config.generate.fps)
+        if length is not None:
+            config = resolve_config(recipe, overrides, {**flags, "generate.temp": length.temp})
         if show_config:
             print_config(config)
             return
+        if prompt is not None and prompts_file is not None:
+            raise InputError("give a PROMPT or --prompts FILE, not both")
+        if prompt is None and prompts_file is None:
+            raise InputError(
+                "nothing to generate: give a PROMPT or --prompts FILE",
+                hint='e.g. pfctl generate "a red circle moving right" (use "" for an unconditional video)',
+            )
+        prompts = read_prompts(prompts_file) if prompts_file else [PromptSpec(prompt=prompt or "")]
+        if length is not None and length.message:
+            log(length.message)
         from pfctl import api
 
-        api.generate(config)
+        report = api.generate(config, prompts=prompts, image=image)
+        for video in report.videos:
+            log(
+                f"wrote {video.path}  ({video.num_frames} frames, {video.width}x{video.height}, seed {video.seed})"
+            )
