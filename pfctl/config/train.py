@@ -1,12 +1,161 @@
-"""``train:`` section — options of ``pfctl train``."""
+"""``train:`` section — options of ``pfctl train``.
+
+Every option has its default here and only here. The cross-field rules that depend on the
+world size (``W % G``) live in :func:`check_train_constraints`, which the trainer and the
+dry-run call before any process group exists, so a bad layout fails the same way on every rank.
+"""
 
 from __future__ import annotations
 
+from typing import Literal
+
+from pydantic import Field
+
 from pfctl.config.base import Section
+from pfctl.errors import ConfigError
 
 
 class TrainConfig(Section):
-    """Options of train (filled in by the train feature)."""
+    """Options of ``pfctl train`` (pyramidal flow matching on an encode-latents cache)."""
 
+    # --- where --------------------------------------------------------------------------------
     output_dir: str = "outputs/train"
-    video_sync_group: int = 1
+    """Checkpoints (``checkpoints/step-NNNNNN``), the final ``export/``, logs and assignments."""
+    cache: str | None = None
+    """The encode-latents cache folder; default: ``encode.output_dir``."""
+
+    # --- how long, how big ----------------------------------------------------------------------
+    max_steps: int = Field(default=1000, ge=1)
+    """Optimizer steps (one step = ``grad_accum`` micro-batches on every rank)."""
+    batch_size: int = Field(default=4, ge=1)
+    """Clips per rank per micro-batch; must be a multiple of ``sum(sample_ratios)``."""
+    sample_ratios: list[int] = Field(default_factory=lambda: [1, 2, 1])
+    """Columns per stage (low, mid, high): [1,2,1] → 4 columns with stages [0,1,1,2]."""
+    grad_accum: int = Field(default=1, ge=1)
+
+    # --- sync groups and the temporal pyramid -----------------------------------------------------
+    video_sync_group: int = Field(default=1, ge=1)
+    """G: ranks r, r' read the same clips iff r // G == r' // G (world size % G == 0)."""
+    max_units: int = Field(default=16, ge=1)
+    """M: latent units (frames) per training clip; longer clips are cut. M % G == 0."""
+    use_temporal_pyramid: bool = True
+    """Autoregressive training on one unit with low-resolution history; off = the non-AR mode."""
+    use_temporal_causal: bool = True
+    """Attention sees only the current and earlier frames (passed to the DiT)."""
+    interp_condition_pos: bool = True
+    """History clips take positions interpolated onto the current clip's grid (passed to the DiT)."""
+    corrupt_ratio: float = Field(default=1 / 3, ge=0.0, le=1.0)
+    """History is corrupted as s·noise + (1-s)·history with s ~ U(0, corrupt_ratio)."""
+    caption_dropout: float = Field(default=0.1, ge=0.0, le=1.0)
+    """Probability that a clip's caption is replaced by the cache's empty-prompt embedding."""
+    image_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
+    """Share of batches drawn from image (1-frame) buckets; None = their natural share."""
+
+    # --- optimizer --------------------------------------------------------------------------------
+    lr: float = Field(default=5e-5, gt=0.0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(default=1e-4, ge=0.0)
+    """Applied to matrices only; biases and 1-D parameters (norms) get none."""
+    eps: float = 1e-8
+    warmup_steps: int = Field(default=1000, ge=0)
+    warmup_start_lr: float = Field(default=1e-6, ge=0.0)
+    """Linear warmup from this LR to ``lr`` (the reference's constant_with_warmup)."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    min_lr: float = Field(default=0.0, ge=0.0)
+    """End of the cosine decay."""
+    grad_clip: float | None = Field(default=1.0, gt=0.0)
+    """Max global gradient norm; None = no clipping (the norm is still logged)."""
+    skip_loss_above: float | None = None
+    """Skip the optimizer step when the step's mean loss is >= this (the reference used 2.0)."""
+    nan_policy: Literal["stop", "skip"] = "stop"
+    """A non-finite loss stops the run (``stop``) or skips that step on every rank (``skip``)."""
+
+    # --- EMA ----------------------------------------------------------------------------------
+    ema_decay: float | None = Field(default=None, gt=0.0, lt=1.0)
+    """EMA of the weights (e.g. 0.9999); None = off."""
+    ema_every: int = Field(default=100, ge=1)
+    """Update the EMA every N optimizer steps (the reference: 100)."""
+
+    # --- memory / parallelism -------------------------------------------------------------------
+    gradient_checkpointing: bool = False
+    gradient_checkpointing_ratio: float = Field(default=0.75, ge=0.0, le=1.0)
+    """Share of DiT blocks recomputed in backward, counted from the input side."""
+    fsdp: Literal["none", "shard_grad_op", "full_shard"] = "none"
+    """FSDP through accelerate: shard_grad_op = ZeRO-2, full_shard = ZeRO-3."""
+    fsdp_cpu_offload: bool = False
+    allow_cudnn_attention: bool = False
+    """Let SDPA pick cuDNN attention on CUDA. Off by default: it plans per shape, and the pyramid's
+    column lengths change every step (measured on an H200: 3.3x slower miniFLUX steps)."""
+
+    # --- checkpoints ----------------------------------------------------------------------------
+    checkpoint_every: int = Field(default=1000, ge=1)
+    """Save every N optimizer steps; the last step is always saved."""
+    keep_last: int | None = Field(default=3, ge=1)
+    """Keep the newest K checkpoints; None = keep all."""
+    resume: str | None = None
+    """``latest`` (newest complete checkpoint in output_dir, if any) or a checkpoint folder."""
+    export: bool = True
+    """Write ``output_dir/export`` (a model folder ``pfctl generate --model`` loads) at the end."""
+
+    # --- observability --------------------------------------------------------------------------
+    log_every: int = Field(default=10, ge=1)
+    tensorboard: bool = False
+    """Log through accelerate's TensorBoard tracker into ``output_dir/tensorboard``."""
+    log_assignments: bool = True
+    """Write ``output_dir/assignments/rank-NNNNN.jsonl`` (what each rank trained, per micro-batch)."""
+    heldout_clips: int = Field(default=0, ge=0)
+    """Clips kept out of training for a held-out loss (0 = none)."""
+    eval_every: int | None = Field(default=None, ge=1)
+    """Compute the held-out loss every N steps."""
+    validation_every: int | None = Field(default=None, ge=1)
+    """Sample validation latents into ``output_dir/validation/step-NNNNNN.safetensors`` every N steps."""
+    validation_clips: list[str] = Field(default_factory=list)
+    """Cache clip ids whose cached caption embeddings condition the validation samples (training
+    needs no text encoder); default: the held-out clips, else the first two clips of the cache."""
+    validation_units: int = Field(default=2, ge=1)
+    """Latent frames of each validation sample (10 steps per stage, CFG 7 / 5 against the null text)."""
+    plan_steps: int = Field(default=4, ge=1)
+    """Steps shown by ``--dry-run``."""
+
+
+def columns_to_stages(sample_ratios: list[int]) -> list[int]:
+    """[1,2,1] → [0,1,1,2]: the stage trained by each batch column."""
+    return [stage for stage, n in enumerate(sample_ratios) for _ in range(n)]
+
+
+def check_train_constraints(train: TrainConfig, world_size: int) -> None:
+    """The layout rules of sync-group training, with the numbers in the message.
+
+    Checked before any process group exists (and by ``--dry-run`` for a simulated world
+    size), so a violation ends every rank with exit code 2 instead of a hang or an assert.
+    """
+    ratios = train.sample_ratios
+    if not ratios or any(r < 0 for r in ratios) or sum(ratios) < 1:
+        raise ConfigError(
+            f"train.sample_ratios = {ratios}: needs non-negative column counts per stage with a positive sum",
+            hint="the reference uses [1, 2, 1] (3 stages)",
+        )
+    columns = sum(ratios)
+    if train.batch_size % columns != 0:
+        raise ConfigError(
+            f"train.batch_size {train.batch_size} is not divisible by sum(train.sample_ratios) = {columns} "
+            f"(sample_ratios {ratios})",
+            hint=f"use a multiple of {columns}, e.g. --set train.batch_size={columns * max(1, train.batch_size // columns)}",
+        )
+    g = train.video_sync_group
+    if world_size % g != 0:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ConfigError(
+            f"world size {world_size} is not divisible by train.video_sync_group {g}",
+            hint=f"choose train.video_sync_group from {divisors}, or launch a multiple of {g} processes",
+        )
+    if train.use_temporal_pyramid and train.max_units % g != 0:
+        divisors = [d for d in range(1, train.max_units + 1) if train.max_units % d == 0]
+        raise ConfigError(
+            f"train.max_units {train.max_units} is not divisible by train.video_sync_group {g}",
+            hint=f"a group covers the units 1..M in M/G micro-steps; choose G from {divisors}",
+        )
+    if train.heldout_clips == 0 and train.eval_every is not None:
+        raise ConfigError(
+            "train.eval_every is set but train.heldout_clips is 0", hint="set train.heldout_clips=N (N > 0)"
+        )

@@ -1,0 +1,296 @@
+"""Training checkpoints: complete, atomic, resumable bit-exactly.
+
+Layout of ``output_dir/checkpoints/step-NNNNNN/``::
+
+    model/config.json + diffusion_pytorch_model.safetensors   the DiT (a diffusers model folder)
+    ema/...                                                    same, EMA weights (when EMA is on)
+    optimizer.safetensors + optimizer.json                    AdamW state (tensors) + param groups
+    lr_scheduler.json                                          LambdaLR state (the LR is a function of step)
+    ranks/rank-NNNNN.json + .safetensors                       per rank: python/numpy/torch RNG states, the
+                                                               noise generator, the data position
+    train_state.json                                           step, counters, layout, config — written LAST
+
+A checkpoint is written into ``checkpoints/.tmp-step-NNNNNN`` and renamed into place by the
+main process after every rank has written its files; ``latest`` only considers folders named
+``step-NNNNNN`` that contain a ``train_state.json``, so a run killed mid-save never leaves a
+checkpoint that a resume would pick. Nothing here is pickled: tensors go to safetensors, the
+rest to JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pfctl.errors import CheckpointError
+from pfctl.utils.io import atomic_save_safetensors, atomic_write_json
+
+FORMAT_VERSION = 1
+STEP_DIR = re.compile(r"^step-(\d{6,})$")
+MODEL_WEIGHTS = "diffusion_pytorch_model.safetensors"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def list_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = STEP_DIR.match(child.name)
+        if match and (child / "train_state.json").is_file():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def find_latest(root: str | os.PathLike[str]) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def resolve_resume(spec: str | None, root: str | os.PathLike[str]) -> Path | None:
+    """``None`` → fresh start; ``latest`` → newest complete checkpoint or None; else a folder."""
+    if spec is None or spec in ("", "none", "no"):
+        return None
+    if spec == "latest":
+        return find_latest(root)
+    path = Path(spec).expanduser()
+    if path.is_dir() and not (path / "train_state.json").is_file() and find_latest(path) is not None:
+        path = find_latest(path)  # a checkpoints/ folder or an output_dir/checkpoints
+    elif path.is_dir() and (path / "checkpoints").is_dir() and not (path / "train_state.json").is_file():
+        path = find_latest(path / "checkpoints") or path
+    if not (path / "train_state.json").is_file():
+        raise CheckpointError(
+            f"resume checkpoint {path} is missing or incomplete (no train_state.json)",
+            hint="pass a checkpoints/step-NNNNNN folder, or --resume latest",
+        )
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# flat (de)serialisation of state dicts: tensors → safetensors, everything else → JSON
+# --------------------------------------------------------------------------------------------
+
+
+def optimizer_to_files(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``optimizer.state_dict()`` → (tensors keyed ``state.<param>.<name>``, JSON-able rest)."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for pid, entry in state["state"].items():
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{pid}.{name}"] = value
+            else:
+                scalars.setdefault(str(pid), {})[name] = value
+    meta = {
+        "param_groups": state["param_groups"],
+        "scalars": scalars,
+        "param_keys": [str(k) for k in state["state"]],
+    }
+    meta["key_is_int"] = all(isinstance(k, int) for k in state["state"])
+    return tensors, meta
+
+
+def optimizer_from_files(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    state: dict[Any, dict[str, Any]] = {}
+    for key in meta["param_keys"]:
+        pid: Any = int(key) if meta["key_is_int"] else key
+        state[pid] = dict(meta["scalars"].get(key, {}))
+    for flat, value in tensors.items():
+        _, key, name = flat.split(".", 2) if meta["key_is_int"] else _split_fqn(flat)
+        pid = int(key) if meta["key_is_int"] else key
+        state[pid][name] = value
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def _split_fqn(flat: str) -> tuple[str, str, str]:
+    """``state.<dotted.param.name>.<stat>`` for FSDP's name-keyed optimizer state."""
+    body = flat[len("state.") :]
+    key, _, name = body.rpartition(".")
+    return "state", key, name
+
+
+def rng_state(noise_generator: torch.Generator | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Every random state of this rank: (tensors, JSON)."""
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda.{i}"] = s
+    if noise_generator is not None:
+        tensors["noise_generator"] = noise_generator.get_state()
+    version, internal, gauss = random.getstate()
+    np_state = np.random.get_state()
+    meta = {
+        "python": [version, list(internal), gauss],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+    }
+    return tensors, meta
+
+
+def restore_rng_state(
+    tensors: dict[str, torch.Tensor], meta: dict[str, Any], noise_generator: torch.Generator | None
+):
+    version, internal, gauss = meta["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, key, pos, has_gauss, cached = meta["numpy"]
+    np.random.set_state((name, np.asarray(key, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(tensors["torch_cpu"])
+    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda.")]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    if noise_generator is not None and "noise_generator" in tensors:
+        noise_generator.set_state(tensors["noise_generator"])
+
+
+def save_model_folder(folder: Path, model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """A diffusers-style model folder: ``config.json`` (when the model has one) + safetensors."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if hasattr(model, "save_config"):
+        model.save_config(folder)
+    atomic_save_safetensors(state_dict, folder / MODEL_WEIGHTS, metadata={"format": "pt"})
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} is missing", hint="the checkpoint is incomplete")
+    return load_file(str(path))
+
+
+# --------------------------------------------------------------------------------------------
+# save / load
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CheckpointPayload:
+    """What one rank contributes to a checkpoint. Shared parts are only read on the main process."""
+
+    step: int
+    train_state: dict[str, Any]
+    rank_state: dict[str, Any]  # JSON: data position etc.
+    rank_tensors: dict[str, torch.Tensor]  # RNG states
+    model: torch.nn.Module | None = None  # unwrapped, for its config
+    model_state: dict[str, torch.Tensor] | None = None
+    ema_state: dict[str, torch.Tensor] | None = None
+    optimizer_state: dict[str, Any] | None = None
+    scheduler_state: dict[str, Any] | None = None
+
+
+def save_checkpoint(
+    root: str | os.PathLike[str],
+    payload: CheckpointPayload,
+    *,
+    rank: int,
+    is_main: bool,
+    barrier: Callable[[], None],
+    keep_last: int | None = None,
+) -> Path:
+    """Write ``root/step-NNNNNN`` atomically (see module docstring). Every rank must call it."""
+    root = Path(root)
+    final = root / step_dir_name(payload.step)
+    tmp = root / f".tmp-{step_dir_name(payload.step)}"
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "ranks").mkdir(parents=True)
+    barrier()
+    rank_name = f"rank-{rank:05d}"
+    atomic_save_safetensors(payload.rank_tensors, tmp / "ranks" / f"{rank_name}.safetensors")
+    atomic_write_json(tmp / "ranks" / f"{rank_name}.json", payload.rank_state)
+    if is_main:
+        assert payload.model is not None and payload.model_state is not None
+        save_model_folder(tmp / "model", payload.model, payload.model_state)
+        if payload.ema_state is not None:
+            save_model_folder(tmp / "ema", payload.model, payload.ema_state)
+        if payload.optimizer_state is not None:
+            tensors, meta = optimizer_to_files(payload.optimizer_state)
+            atomic_save_safetensors(tensors, tmp / "optimizer.safetensors")
+            atomic_write_json(tmp / "optimizer.json", meta)
+        if payload.scheduler_state is not None:
+            atomic_write_json(tmp / "lr_scheduler.json", payload.scheduler_state)
+    barrier()
+    if is_main:
+        state = {"format_version": FORMAT_VERSION, "step": payload.step, **payload.train_state}
+        atomic_write_json(tmp / "train_state.json", state)  # the commit marker: written last
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        prune_checkpoints(root, keep_last)
+    barrier()
+    return final
+
+
+def prune_checkpoints(root: Path, keep_last: int | None) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints (and stale temp folders)."""
+    removed = []
+    for child in root.glob(".tmp-step-*"):
+        shutil.rmtree(child, ignore_errors=True)
+    if keep_last is None:
+        return removed
+    for _, path in list_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+@dataclass
+class LoadedCheckpoint:
+    path: Path
+    train_state: dict[str, Any]
+    rank_state: dict[str, Any]
+    rank_tensors: dict[str, torch.Tensor]
+    model_state: dict[str, torch.Tensor]
+    ema_state: dict[str, torch.Tensor] | None
+    optimizer_state: dict[str, Any] | None
+    scheduler_state: dict[str, Any] | None
+
+
+def load_checkpoint(path: str | os.PathLike[str], *, rank: int) -> LoadedCheckpoint:
+    """Read a checkpoint written by :func:`save_checkpoint` (every rank reads its own rank files)."""
+    path = Path(path)
+    try:
+        train_state = json.loads((path / "train_state.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {path / 'train_state.json'}: {exc}") from None
+    if train_state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path} has format_version {train_state.get('format_version')}, "
+            f"this pfctl reads {FORMAT_VERSION}"
+        )
+    rank_json = path / "ranks" / f"rank-{rank:05d}.json"
+    if not rank_json.is_file():
+        raise CheckpointError(
+            f"checkpoint {path} has no state for rank {rank} (it was written by "
+            f"{train_state.get('world_size')} processes)",
+            hint="resume with the same number of processes and train.video_sync_group",
+        )
+    optimizer_state = None
+    if (path / "optimizer.json").is_file():
+        meta = json.loads((path / "optimizer.json").read_text())
+        optimizer_state = optimizer_from_files(load_tensors(path / "optimizer.safetensors"), meta)
+    scheduler_file = path / "lr_scheduler.json"
+    return LoadedCheckpoint(
+        path=path,
+        train_state=train_state,
+        rank_state=json.loads(rank_json.read_text()),
+        rank_tensors=load_tensors(path / "ranks" / f"rank-{rank:05d}.safetensors"),
+        model_state=load_tensors(path / "model" / MODEL_WEIGHTS),
+        ema_state=load_tensors(path / "ema" / MODEL_WEIGHTS) if (path / "ema").is_dir() else None,
+        optimizer_state=optimizer_state,
+        scheduler_state=json.loads(scheduler_file.read_text()) if scheduler_file.is_file() else None,
+    )

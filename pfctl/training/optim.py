@@ -1,0 +1,63 @@
+"""AdamW with decay on matrices only, and the LR schedule (linear warmup → constant | cosine).
+
+The schedule is a pure function of the optimizer step (:func:`lr_at`), so a resumed run
+needs nothing but the step to continue on the same curve; the ``LambdaLR`` wrapper exists
+so accelerate and checkpoints see a standard scheduler.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pfctl.config.train import TrainConfig
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Two groups: decayed matrices, and biases / 1-D parameters (norm scales) without decay.
+
+    Decaying a norm scale or a bias pulls it towards 0, which changes what the layer computes
+    rather than regularising it; the reference (and most transformer recipes) exempt them.
+    """
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim <= 1 or name.endswith(".bias") else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"}]
+    groups.append({"params": no_decay, "weight_decay": 0.0, "name": "no_decay"})
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over :func:`param_groups` (fp32 master weights: the model itself stays fp32)."""
+    return torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps
+    )
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """The LR of optimizer step ``step`` (0-based).
+
+    Warmup goes linearly from ``warmup_start_lr`` (step 0) to ``lr`` (step ``warmup_steps - 1``),
+    like the reference's ``np.linspace``; then constant, or cosine from ``lr`` down to ``min_lr``
+    at ``max_steps``.
+    """
+    warmup = min(cfg.warmup_steps, cfg.max_steps)
+    if step < warmup:
+        if warmup == 1:
+            return cfg.lr
+        return cfg.warmup_start_lr + (cfg.lr - cfg.warmup_start_lr) * step / (warmup - 1)
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    decay_steps = max(cfg.max_steps - warmup, 1)
+    progress = min((step - warmup) / decay_steps, 1.0)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: TrainConfig
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A ``LambdaLR`` whose factor is ``lr_at(step) / lr`` (every group has base LR ``cfg.lr``)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)

@@ -1,0 +1,240 @@
+"""What each rank trains, as data — the dry-run table and the real run's assignment log.
+
+:func:`assignment` is the one definition of "what rank r trains at micro-step i" given the
+group's resolved batch: sync group, clip ids, the clip ids of every stage column, the
+``(low, mid, high)`` units and the image tokens. The trainer writes exactly these records
+(``assignments/rank-NNNNN.jsonl``) from the tensors it really built, and ``pfctl train
+--dry-run`` computes them for any world size W and group size G without a GPU or a process
+group — so a test can check that the plan is what the run did.
+
+Tokens are DiT image tokens (2x2 latent patches), history included, text excluded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pfctl.config.train import TrainConfig, columns_to_stages
+from pfctl.data.dataset import ClipInfo, ResolvedBatch, SyncGroupSampler, resolve_batch
+from pfctl.flow.pyramid import history_layout, sample_stage_length
+
+PATCH = 2
+NUM_STAGES = 3
+
+
+def tokens_per_frame(height: int, width: int, stage: int, num_stages: int = NUM_STAGES) -> int:
+    """Image tokens of one latent frame at ``stage`` (stage ``num_stages - 1`` = full resolution)."""
+    shrink = 2 ** (num_stages - 1 - stage)
+    return (height // shrink // PATCH) * (width // shrink // PATCH)
+
+
+def column_tokens(stage: int, units: int | None, frames: int, height: int, width: int) -> int:
+    """Tokens of one sample of a column: the current unit plus its history (temporal pyramid),
+    or all ``frames`` at the column's stage (non-AR mode, ``units`` None)."""
+    if units is None:
+        return frames * tokens_per_frame(height, width, stage)
+    total = tokens_per_frame(height, width, stage)
+    history = range(units - 1)
+    for k, sl in history_layout(stage, units - 1):
+        total += len(history[sl]) * tokens_per_frame(height, width, k)
+    return total
+
+
+def stage_units(train: TrainConfig, micro_step: int, rank: int, frames: int) -> tuple[int, int, int] | None:
+    """``(low, mid, high)`` units of a rank's forward number ``micro_step`` (None in non-AR mode)."""
+    if not train.use_temporal_pyramid:
+        return None
+    return sample_stage_length(micro_step, rank, train.video_sync_group, train.max_units, frames)
+
+
+def assignment(
+    train: TrainConfig, batch: ResolvedBatch, *, step: int, micro_step: int, rank: int
+) -> dict[str, Any]:
+    """The record of what ``rank`` trains at ``micro_step`` (optimizer step ``step``, 1-based)."""
+    frames, height, width = batch.choice.bucket
+    stages = columns_to_stages(train.sample_ratios)
+    k = len(stages)
+    units = stage_units(train, micro_step, rank, frames)
+    columns = []
+    tokens = 0
+    for col, stage in enumerate(stages):
+        ids = batch.ids[col::k]
+        n = None if units is None else units[stage]
+        tokens += len(ids) * column_tokens(stage, n, frames, height, width)
+        columns.append({"stage": stage, "ids": ids})
+    return {
+        "step": step,
+        "micro_step": micro_step,
+        "rank": rank,
+        "group": rank // train.video_sync_group,
+        "epoch": batch.choice.epoch,
+        "bucket": list(batch.choice.bucket),
+        "ids": list(batch.ids),
+        "replaced": {str(s): v for s, v in batch.replaced.items()},
+        "dropped": list(batch.dropped),
+        "columns": columns,
+        "units": None if units is None else list(units),
+        "tokens": tokens,
+    }
+
+
+# ------------------------------------------------------------------------------------------
+# the dry-run
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PlanReport:
+    """``rows``: one assignment per (micro-step, rank); ``group_tokens``: (step, group) → tokens."""
+
+    world_size: int
+    group_size: int
+    steps: int
+    rows: list[dict[str, Any]]
+    notes: list[str] = field(default_factory=list)
+
+    def group_totals(self) -> dict[tuple[int, int], dict[str, int]]:
+        totals: dict[tuple[int, int], dict[str, int]] = {}
+        for row in self.rows:
+            entry = totals.setdefault((row["step"], row["group"]), {"tokens": 0, "ranks": 0})
+            entry["tokens"] += row["tokens"]
+            entry["ranks"] += 1
+        return totals
+
+    def render(self) -> str:
+        """A plain-text table (one line per rank and micro-step), then totals per group."""
+        head = f"{'step':>4} {'micro':>5} {'rank':>4} {'group':>5}  {'units(l,m,h)':<12} {'tokens':>7}  columns (stage: clip ids)"
+        lines = [
+            f"dry run: world size {self.world_size}, video_sync_group {self.group_size}, "
+            f"{self.world_size // self.group_size} groups, first {self.steps} steps",
+            head,
+            "-" * len(head),
+        ]
+        for row in self.rows:
+            units = "-" if row["units"] is None else ",".join(map(str, row["units"]))
+            cols = "  ".join(f"{c['stage']}:{'/'.join(c['ids'])}" for c in row["columns"])
+            extra = f"  replaced {row['replaced']}" if row["replaced"] else ""
+            lines.append(
+                f"{row['step']:>4} {row['micro_step']:>5} {row['rank']:>4} {row['group']:>5}  "
+                f"{units:<12} {row['tokens']:>7}  {cols}{extra}"
+            )
+        lines.append("")
+        lines.append("tokens per sync group and step:")
+        for (step, group), entry in sorted(self.group_totals().items()):
+            lines.append(
+                f"  step {step} group {group}: {entry['tokens']} tokens over {entry['ranks']} rank-forwards"
+            )
+        lines.extend(self.notes)
+        return "\n".join(lines)
+
+
+def plan_run(
+    train: TrainConfig,
+    clips: list[ClipInfo],
+    *,
+    world_size: int,
+    seed: int,
+    steps: int,
+    can_load: Callable[[str], bool],
+    heldout: set[str] | None = None,
+) -> PlanReport:
+    """Simulate every rank of a ``world_size`` run for ``steps`` optimizer steps.
+
+    Each group's sampler runs once (its ranks share it by construction); ``can_load(id)``
+    probes the cache so that replacements of broken clips appear as in the real run.
+    """
+    g = train.video_sync_group
+    num_groups = world_size // g
+    pool = [c for c in clips if not heldout or c.id not in heldout]
+    rows = []
+    for group in range(num_groups):
+        sampler = SyncGroupSampler(
+            pool,
+            num_groups=num_groups,
+            group_index=group,
+            batch_size=train.batch_size,
+            seed=seed,
+            max_units=train.max_units,
+            image_ratio=train.image_ratio,
+        )
+        for step in range(1, steps + 1):
+            for micro in range(train.grad_accum):
+                micro_step = (step - 1) * train.grad_accum + micro
+                batch = resolve_batch(
+                    sampler, micro_step, lambda ids: [can_load(i) for i in ids], train.caption_dropout
+                )
+                for rank in range(group * g, (group + 1) * g):
+                    rows.append(assignment(train, batch, step=step, micro_step=micro_step, rank=rank))
+    rows.sort(key=lambda r: (r["micro_step"], r["rank"]))
+    return PlanReport(world_size=world_size, group_size=g, steps=steps, rows=rows)
+
+
+def dry_run(config: Any, *, world_size: int | None = None, steps: int | None = None) -> PlanReport:
+    """``pfctl train --dry-run``: validate config, model spec and cache, and plan the first steps.
+
+    Runs in one process without a GPU for any simulated ``world_size`` (default: the launcher's).
+    Every clip the plan touches is really read, so a broken file shows up as a replacement here
+    exactly as it will in the run.
+    """
+    from pfctl.config.train import check_train_constraints
+    from pfctl.flow.pyramid import plan_stage_lengths
+    from pfctl.runtime.accelerator import world_size_from_env
+    from pfctl.training.trainer import cache_clips, cache_normalizer, cache_path, open_cache, split_heldout
+
+    train = config.train
+    world = world_size or world_size_from_env()
+    check_train_constraints(train, world)
+    if train.use_temporal_pyramid:
+        plan_stage_lengths(train.max_units, train.video_sync_group)
+    notes = [check_model_spec(config)]
+    cache = open_cache(cache_path(config))
+    cache_normalizer(cache)  # the header's normalisation rule must be understood
+    cache.null_text()
+    clips = cache_clips(cache)
+    heldout = {c.id for c in split_heldout(clips, train.heldout_clips, config.runtime.seed)}
+    probed: dict[str, bool] = {}
+
+    def can_load(cid: str) -> bool:
+        if cid not in probed:
+            try:
+                cache.load(cid)
+                probed[cid] = cache.metadata(cid).get("fingerprint", cache.fingerprint) == cache.fingerprint
+            except Exception:
+                probed[cid] = False
+        return probed[cid]
+
+    report = plan_run(
+        train, clips, world_size=world, seed=config.runtime.seed, steps=min(steps or train.plan_steps, train.max_steps),
+        can_load=can_load, heldout=heldout,
+    )  # fmt: skip
+    bad = sorted(c for c, ok in probed.items() if not ok)
+    notes.append(f"cache {cache.root}: {len(clips)} clips, fingerprint {cache.fingerprint}, format ok")
+    if bad:
+        notes.append(f"clips that fail to load (replaced in the run): {', '.join(bad)}")
+    report.notes = notes
+    return report
+
+
+def check_model_spec(config: Any) -> str:
+    """Validate ``model.dit_preset`` / ``model.path`` without building the model."""
+    from pathlib import Path
+
+    from pfctl.errors import ConfigError
+
+    m = config.model
+    if m.dit_preset is not None:
+        from pfctl.models.registry import preset_config
+
+        preset_config(m.dit_preset, m.dit_config)
+        return f"model: preset {m.dit_preset} (from scratch)"
+    if m.path is None:
+        raise ConfigError(
+            "train needs a model: set model.path or model.dit_preset", hint="e.g. --set model.dit_preset=tiny"
+        )
+    if not Path(m.path).is_dir():
+        raise ConfigError(
+            f"model.path {m.path} is not a folder", hint="an official checkpoint folder or a pfctl export"
+        )
+    return f"model: fine-tune {m.path}"

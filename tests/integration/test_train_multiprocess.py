@@ -1,0 +1,128 @@
+"""`torchrun -m pfctl train` with real CPU processes (gloo): sync groups, agreed replacements, plan = run.
+
+Each run: 36 video clips (8, 5 and 3 latent frames) + 4 images, the tiny DiT, 3 steps of 2
+micro-batches. One clip file is corrupted so that group 0 must replace it in its first batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pfctl import api
+from pfctl.config import load_config
+from pfctl.data.dataset import write_synthetic_cache
+from pfctl.data.latent_cache import LatentCache
+from pfctl.flow.pyramid import sample_stage_length
+
+LENGTHS = [8] * 12 + [5] * 12 + [3] * 12 + [1] * 4
+REFERENCE = Path(__file__).resolve().parents[2].parent / "shared" / "reference" / "pyramid_flow"
+
+
+def _recipe(tmp: Path, cache: Path, group: int, **train) -> Path:
+    recipe = {
+        "runtime": {"device": "cpu", "seed": 11, "collective_timeout_s": 120},
+        "model": {"dit_preset": "tiny"},
+        "train": {
+            "cache": str(cache),
+            "output_dir": str(tmp / "out"),
+            "max_steps": 3,
+            "grad_accum": 2,
+            "batch_size": 4,
+            "max_units": 8,
+            "video_sync_group": group,
+            "warmup_steps": 1,
+            "checkpoint_every": 100,
+            "export": False,
+            **train,
+        },
+    }
+    path = tmp / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def _torchrun(nproc: int, recipe: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd += ["-m", "pfctl", "train", "--recipe", str(recipe)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PFCTL_TEST_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _reference_units() -> dict | None:
+    path = REFERENCE / "sample_stage_length.json"
+    if not path.is_file():
+        return None
+    table = json.loads(path.read_text())["table"]
+    return {
+        (e["max_temporal_length"], e["video_sync_group"]): e["results"]
+        for e in table
+        if e["valid_in_trainer"]
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "group"), [(4, 2), (4, 4), (2, 1)])
+def test_sync_groups_on_real_processes(tmp_path: Path, world: int, group: int) -> None:
+    cache = tmp_path / "cache"
+    write_synthetic_cache(str(cache), LENGTHS, seed=5)
+    recipe = _recipe(tmp_path, cache, group)
+    config = load_config(str(recipe))
+
+    # corrupt the first clip group 0 would train, so the run has to replace it
+    plan = api.train(config, dry_run=True, world_size=world).rows
+    victim = plan[0]["ids"][0]
+    (cache / LatentCache.open(cache).row(victim)["path"]).write_bytes(b"not a safetensors file")
+    plan = api.train(config, dry_run=True, world_size=world).rows
+    assert plan[0]["replaced"] == {"0": [victim]}
+
+    proc = _torchrun(world, recipe)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = tmp_path / "out" / "assignments"
+    done = [
+        json.loads(x) for r in range(world) for x in (out / f"rank-{r:05d}.jsonl").read_text().splitlines()
+    ]
+    done.sort(key=lambda r: (r["micro_step"], r["rank"]))
+    assert len(done) == world * 3 * 2
+
+    # 1. the dry-run table is what the run did (ids, columns, replacements, units, tokens)
+    assert done == plan
+
+    # 2. same clips inside a group, different clips across groups, the victim replaced everywhere
+    for micro in range(6):
+        rows = [r for r in done if r["micro_step"] == micro]
+        per_group = {}
+        for r in rows:
+            per_group.setdefault(r["group"], set()).add(tuple(r["ids"]))
+        assert all(len(ids) == 1 for ids in per_group.values())
+        batches = [set(next(iter(ids))) for ids in per_group.values()]
+        assert all(a.isdisjoint(b) for i, a in enumerate(batches) for b in batches[i + 1 :])
+    assert all(victim not in r["ids"] for r in done)
+    assert all(r["replaced"] == {"0": [victim]} for r in done if r["micro_step"] == 0 and r["group"] == 0)
+
+    # 3. per-rank lengths = the reference schedule (the table when present)
+    table = _reference_units()
+    for r in done:
+        frames = r["bucket"][0]
+        if table is not None and (8, group) in table:
+            calls = table[(8, group)].get(f"max_units={frames}|rank={r['rank']}")
+            if calls is not None and r["micro_step"] < len(calls):
+                assert r["units"] == calls[r["micro_step"]], r
+        assert tuple(r["units"]) == sample_stage_length(r["micro_step"], r["rank"], group, 8, frames)
+
+
+@pytest.mark.slow
+def test_bad_layout_exits_2_on_every_rank(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    write_synthetic_cache(str(cache), LENGTHS[:8], seed=5)
+    proc = _torchrun(2, _recipe(tmp_path, cache, 4), timeout=120)
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert text.count("world size 2 is not divisible by train.video_sync_group 4") == 2
+    assert "exitcode  : 2" in text or "exit code 2" in text or "exitcode: 2" in text

@@ -1,0 +1,159 @@
+"""`pfctl train` in one CPU process: learning, bit-exact resume, EMA, per-stage logs, export, switches."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pfctl import api
+from pfctl.config import load_config
+from pfctl.data.dataset import write_synthetic_cache
+
+LENGTHS = [4] * 8 + [3] * 8 + [1] * 8
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("cache") / "cache"
+    write_synthetic_cache(str(root), LENGTHS, seed=0)
+    return root
+
+
+def config(cache: Path, out: Path, **train):
+    overrides = {
+        "runtime.device": "cpu",
+        "runtime.seed": 3,
+        "model.dit_preset": "tiny",
+        "train.cache": str(cache),
+        "train.output_dir": str(out),
+        "train.batch_size": 4,
+        "train.max_units": 4,
+        "train.lr": 2e-3,
+        "train.warmup_steps": 1,
+        "train.log_every": 1,
+        "train.checkpoint_every": 1000,
+        **{f"train.{k}": v for k, v in train.items()},
+    }
+    return load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "diffusion_pytorch_model.safetensors"))
+
+
+@pytest.mark.slow
+def test_loss_goes_down_and_everything_is_logged(tmp_path: Path) -> None:
+    """Two repeating patterns (a learnable distribution); the held-out loss uses fixed noise."""
+    cache = tmp_path / "patterns"
+    write_synthetic_cache(str(cache), LENGTHS, seed=0, patterns=2)
+    out = tmp_path / "run"
+    cfg = config(cache, out, max_steps=20, lr=6e-3, caption_dropout=0.0, heldout_clips=4, eval_every=10)
+    report = api.train(cfg)
+    assert report.steps == 20 and report.export_dir == str(out / "export")
+    rows = metrics(out)
+    heldout = [r["heldout_loss"] for r in rows if "heldout_loss" in r]
+    assert len(heldout) == 3 and heldout[-1] < 0.9 * heldout[0], heldout
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == list(range(1, 21))
+    for key in (
+        "loss",
+        "loss_stage0",
+        "loss_stage1",
+        "loss_stage2",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "samples_per_s",
+    ):
+        assert all(key in r for r in train_rows), key
+    # the final export is what `pfctl generate --model OUT/export` loads
+    from pfctl.models.checkpoint import load_components
+
+    parts = load_components(out / "export", need=("dit",), dtype=torch.float32)
+    final = weights(out / "checkpoints" / "step-000020" / "model")
+    assert all(torch.equal(v, final[k]) for k, v in parts.dit.state_dict().items())
+
+
+@pytest.mark.slow
+def test_resume_is_bit_exact(cache: Path, tmp_path: Path) -> None:
+    opts = dict(max_steps=6, checkpoint_every=3, grad_accum=2, ema_decay=0.8, ema_every=1, keep_last=None)
+    full = api.train(config(cache, tmp_path / "full", **opts))
+    part = tmp_path / "part"
+    (part / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step-000003", part / "checkpoints" / "step-000003")
+    resumed = api.train(config(cache, part, resume="latest", **opts))
+    assert resumed.resumed_from and resumed.resumed_from.endswith("step-000003")
+    assert resumed.losses == full.losses[3:]  # exactly, not approximately
+    for sub in ("model", "ema"):
+        a = weights(tmp_path / "full" / "checkpoints" / "step-000006" / sub)
+        b = weights(part / "checkpoints" / "step-000006" / sub)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), sub
+    opt_a = load_file(str(tmp_path / "full" / "checkpoints" / "step-000006" / "optimizer.safetensors"))
+    opt_b = load_file(str(part / "checkpoints" / "step-000006" / "optimizer.safetensors"))
+    assert all(torch.equal(opt_a[k], opt_b[k]) for k in opt_a)
+    lines = lambda p: (p / "assignments" / "rank-00000.jsonl").read_text().splitlines()  # noqa: E731
+    assert lines(part) == lines(tmp_path / "full")[3 * 2 :]
+
+
+@pytest.mark.slow
+def test_ema_follows_the_direct_computation(cache: Path, tmp_path: Path) -> None:
+    from pfctl.training.trainer import Trainer
+
+    trainer = Trainer(config(cache, tmp_path / "ema", max_steps=4, ema_decay=0.7, ema_every=2))
+    trainer.setup()
+    expected = {k: v.detach().clone().double() for k, v in trainer.unwrapped.state_dict().items()}
+    for step in range(1, 5):
+        trainer.train_step()
+        if step % 2 == 0:
+            current = trainer.unwrapped.state_dict()
+            expected = {k: 0.7 * v + 0.3 * current[k].double() for k, v in expected.items()}
+    for k, v in expected.items():
+        assert torch.allclose(trainer.ema.state_dict()[k].double(), v, rtol=0, atol=1e-6), k
+    trainer.close()
+
+
+@pytest.mark.slow
+def test_every_switch_turns_off(cache: Path, tmp_path: Path) -> None:
+    out = tmp_path / "off"
+    report = api.train(
+        config(
+            cache, out, max_steps=2, use_temporal_pyramid=False, use_temporal_causal=False,
+            interp_condition_pos=False, caption_dropout=0.0, gradient_checkpointing=True,
+            gradient_checkpointing_ratio=1.0, grad_clip=None,
+        )
+    )  # fmt: skip
+    assert report.steps == 2
+    dit_config = json.loads((out / "export" / "transformer" / "config.json").read_text())
+    assert dit_config["use_temporal_causal"] is False and dit_config["interp_condition_pos"] is False
+    rows = [json.loads(x) for x in (out / "assignments" / "rank-00000.jsonl").read_text().splitlines()]
+    assert all(r["units"] is None for r in rows)  # non-AR: whole clips, no unit schedule
+
+
+@pytest.mark.slow
+def test_skip_loss_above_keeps_the_weights(cache: Path, tmp_path: Path) -> None:
+    from pfctl.training.trainer import Trainer
+
+    trainer = Trainer(config(cache, tmp_path / "skip", max_steps=2, skip_loss_above=1e-9))
+    trainer.setup()
+    before = {k: v.clone() for k, v in trainer.unwrapped.state_dict().items()}
+    result = trainer.train_step()
+    assert result["skipped"] is True
+    assert all(torch.equal(v, before[k]) for k, v in trainer.unwrapped.state_dict().items())
+    trainer.close()
+
+
+@pytest.mark.slow
+def test_validation_samples_are_written(cache: Path, tmp_path: Path) -> None:
+    out = tmp_path / "val"
+    api.train(config(cache, out, max_steps=1, validation_every=1, validation_units=2, export=False))
+    latents = load_file(str(out / "validation" / "step-000001.safetensors"))["latents"]
+    assert latents.shape == (2, 16, 2, 8, 8) and torch.isfinite(latents).all()

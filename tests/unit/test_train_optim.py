@@ -1,0 +1,76 @@
+"""AdamW parameter groups, the LR schedule, and the EMA rule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pfctl.config.train import TrainConfig
+from pfctl.training.ema import EMA
+from pfctl.training.optim import build_lr_scheduler, build_optimizer, lr_at, param_groups
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.norm = torch.nn.LayerNorm(4)
+        self.scale = torch.nn.Parameter(torch.ones(4))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+
+def test_no_decay_for_biases_and_1d_parameters() -> None:
+    net = Net()
+    groups = {g["name"]: g for g in param_groups(net, 0.1)}
+    assert [p.shape for p in groups["decay"]["params"]] == [torch.Size([4, 4])]
+    assert groups["decay"]["weight_decay"] == 0.1
+    assert len(groups["no_decay"]["params"]) == 4 and groups["no_decay"]["weight_decay"] == 0.0
+    opt = build_optimizer(net, TrainConfig(lr=3e-4, betas=(0.8, 0.9), weight_decay=0.1))
+    assert opt.param_groups[0]["betas"] == (0.8, 0.9)
+
+
+def test_warmup_then_constant() -> None:
+    cfg = TrainConfig(lr=1e-3, warmup_steps=5, warmup_start_lr=1e-6, max_steps=100)
+    assert lr_at(0, cfg) == pytest.approx(1e-6)
+    assert lr_at(4, cfg) == pytest.approx(1e-3)
+    assert lr_at(2, cfg) == pytest.approx(1e-6 + (1e-3 - 1e-6) / 2)
+    assert {lr_at(s, cfg) for s in range(5, 100)} == {1e-3}
+
+
+def test_warmup_then_cosine_and_scheduler_agrees() -> None:
+    cfg = TrainConfig(lr=1e-3, warmup_steps=10, max_steps=110, lr_schedule="cosine", min_lr=1e-5)
+    assert lr_at(10, cfg) == pytest.approx(1e-3)
+    assert lr_at(60, cfg) == pytest.approx(1e-5 + 0.5 * (1e-3 - 1e-5))
+    assert lr_at(110, cfg) == pytest.approx(1e-5)
+    assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(10, 120))
+    net = Net()
+    opt = build_optimizer(net, cfg)
+    sched = build_lr_scheduler(opt, cfg)
+    for step in range(30):
+        assert opt.param_groups[0]["lr"] == pytest.approx(lr_at(step, cfg))
+        opt.step()
+        sched.step()
+
+
+def test_ema_matches_a_direct_computation() -> None:
+    torch.manual_seed(0)
+    net = Net()
+    ema = EMA(net.state_dict(), decay=0.9, every=2)
+    expected = {k: v.detach().clone().double() for k, v in net.state_dict().items() if v.is_floating_point()}
+    for step in range(1, 7):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(torch.randn_like(p))
+        net.steps += 1
+        if ema.should_update(step):
+            ema.update(net.state_dict())
+            for k in expected:
+                expected[k] = 0.9 * expected[k] + 0.1 * net.state_dict()[k].double()
+    for k, v in expected.items():
+        assert torch.allclose(ema.state_dict()[k].double(), v, atol=1e-6), k
+    assert int(ema.state_dict()["steps"]) == 6  # integer buffers are copied, not averaged
+    assert not math.isclose(
+        float(ema.state_dict()["proj.weight"].sum()), float(net.proj.weight.detach().sum())
+    )

@@ -1,0 +1,66 @@
+"""The per-rank plan: unit schedule (= the reference table), token counts (= the real inputs)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pfctl.config.train import TrainConfig
+from pfctl.data.dataset import ClipInfo
+from pfctl.flow.pyramid import build_full_sequence_batch, build_temporal_pyramid_batch, pyramid_latents
+from pfctl.flow.scheduler import PyramidFlowScheduler
+from pfctl.training.plan import column_tokens, plan_run, stage_units
+
+
+def _tokens(sample: list[list[torch.Tensor]]) -> list[int]:
+    return [sum(c.shape[2] * (c.shape[3] // 2) * (c.shape[4] // 2) for c in column) for column in sample]
+
+
+@pytest.mark.parametrize("units", [(1, 1, 1), (2, 2, 1), (3, 3, 2), (5, 5, 4), (6, 6, 6), (4, 4, 7)])
+def test_column_tokens_equal_the_built_inputs(units: tuple[int, int, int]) -> None:
+    frames, h, w = 7, 16, 24
+    pyramid = pyramid_latents(torch.randn(4, 16, frames, h, w))
+    flow = PyramidFlowScheduler()
+    batch = build_temporal_pyramid_batch(pyramid, flow, units, rng=torch.Generator().manual_seed(0))
+    expected = [column_tokens(s, units[s], frames, h, w) for s in batch.column_to_stage]
+    assert _tokens(batch.sample) == expected
+    full = build_full_sequence_batch(pyramid, flow, rng=torch.Generator().manual_seed(0))
+    assert _tokens(full.sample) == [column_tokens(s, None, frames, h, w) for s in full.column_to_stage]
+
+
+def test_units_equal_the_reference_table(refdir: Path) -> None:
+    table = json.loads((refdir / "sample_stage_length.json").read_text())["table"]
+    checked = 0
+    for entry in table:
+        if not entry["valid_in_trainer"]:
+            continue
+        cfg = TrainConfig(max_units=entry["max_temporal_length"], video_sync_group=entry["video_sync_group"])
+        for key, calls in entry["results"].items():
+            fields = dict(part.split("=") for part in key.split("|"))
+            for call, expected in enumerate(calls):
+                got = stage_units(cfg, call, int(fields["rank"]), int(fields["max_units"]))
+                assert list(got) == expected, (entry["video_sync_group"], key, call)
+                checked += 1
+    assert checked > 100
+
+
+def test_plan_groups_share_clips_and_split_positions() -> None:
+    clips = [ClipInfo(f"c{i:02d}", 8, 8, 8) for i in range(32)]
+    cfg = TrainConfig(batch_size=4, video_sync_group=4, max_units=8, grad_accum=2)
+    report = plan_run(cfg, clips, world_size=8, seed=3, steps=2, can_load=lambda cid: cid != "c05")
+    assert len(report.rows) == 8 * 2 * 2
+    by_key: dict[tuple[int, int], list[dict]] = {}
+    for row in report.rows:
+        by_key.setdefault((row["micro_step"], row["group"]), []).append(row)
+    for rows in by_key.values():
+        assert len({tuple(r["ids"]) for r in rows}) == 1  # one batch per group
+        highs = sorted(r["units"][2] for r in rows)
+        assert highs == sorted({h for h in highs}) and len(highs) == 4  # each rank its own position
+        assert "c05" not in rows[0]["ids"]
+    for micro in range(4):
+        assert set(by_key[(micro, 0)][0]["ids"]).isdisjoint(by_key[(micro, 1)][0]["ids"])
+    text = report.render()
+    assert "rank" in text and "tokens per sync group" in text
