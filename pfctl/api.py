@@ -8,27 +8,76 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pfctl.errors import NotBuiltError
-
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from pfctl.config.generate import PromptSpec
     from pfctl.config.schema import RecipeConfig
+    from pfctl.sampling.generate import GenerateReport
 
 
-def encode_latents(config: RecipeConfig, **options: Any) -> Any:
-    """Decode videos, encode them with the VAE and text encoders, write the latent cache."""
-    raise NotBuiltError("encode-latents is not built yet in this version of pfctl")
+def encode_latents(
+    config: RecipeConfig,
+    *,
+    dry_run: bool = False,
+    overwrite: bool = False,
+    max_failures: int | None = None,
+    runtime: Any = None,
+) -> Any:
+    """Decode videos, encode them with the VAE and text encoders, write the latent cache
+    → :class:`pfctl.data.encode.EncodeReport` (see :func:`pfctl.data.encode.run_encode`)."""
+    from pfctl.data.encode import run_encode
+
+    return run_encode(
+        config, runtime=runtime, dry_run=dry_run, overwrite=overwrite, max_failures=max_failures
+    )
 
 
-def train(config: RecipeConfig, **options: Any) -> Any:
-    """Train or fine-tune the pyramid DiT on a latent cache."""
-    raise NotBuiltError("train is not built yet in this version of pfctl")
+def train(
+    config: RecipeConfig,
+    *,
+    dry_run: bool = False,
+    world_size: int | None = None,
+    plan_steps: int | None = None,
+) -> Any:
+    """Train or fine-tune the pyramid DiT on a latent cache → :class:`pfctl.training.trainer.TrainReport`.
+
+    ``dry_run``: validate config, model spec and cache and return the per-rank plan of the first
+    ``plan_steps`` steps (:class:`pfctl.training.plan.PlanReport`) for a simulated ``world_size``.
+    """
+    if dry_run:
+        from pfctl.training.plan import dry_run as plan
+
+        return plan(config, world_size=world_size, steps=plan_steps)
+    from pfctl.training.trainer import run_training
+
+    return run_training(config)
 
 
-def generate(config: RecipeConfig, **options: Any) -> Any:
-    """Text-to-video / image-to-video with the pyramid sampler, writing mp4 files."""
-    raise NotBuiltError("generate is not built yet in this version of pfctl")
+def generate(
+    config: RecipeConfig,
+    prompts: Sequence[str | PromptSpec] | str | None = None,
+    *,
+    image: str | None = None,
+    **options: Any,
+) -> GenerateReport:
+    """Text-to-video / image-to-video with the pyramid sampler, writing mp4 files + JSON sidecars.
+
+    ``prompts``: strings or :class:`pfctl.config.generate.PromptSpec` (per-prompt overrides);
+    ``image``: a first frame for image-to-video. See :func:`pfctl.sampling.generate.run_generate`
+    for ``options`` (e.g. ``components=`` to pass already loaded models).
+    """
+    from pfctl.sampling.generate import run_generate
+
+    return run_generate(config, prompts, image=image, **options)
 
 
 def verify_groupnorm(config: RecipeConfig, **options: Any) -> Any:
-    """Audit a VAE's norms and measure chunked-vs-full encoding error."""
-    raise NotBuiltError("verify-groupnorm is not built yet in this version of pfctl")
+    """Audit a VAE's norms and measure chunked-vs-full encoding error.
+
+    Returns a :class:`pfctl.verify.report.GroupNormReport` (``.exit_code``: 0 pass/warn, 1 fail);
+    writes ``verify.json_path`` / ``verify.plot_path`` when set.
+    """
+    from pfctl.verify import verify_groupnorm as _verify_groupnorm
+
+    return _verify_groupnorm(config, **options)

@@ -1,24 +1,151 @@
-"""`pfctl encode-latents`."""
+"""`pfctl encode-latents`: options → config → :func:`pfctl.api.encode_latents` → summary tables."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+import typer
+
 from pfctl.cli._common import command_errors, print_config, resolve_config
-from pfctl.cli.options import PrintConfigOpt, RecipeOpt, SetOpt
+from pfctl.cli.options import DryRunOpt, ModelOpt, OutputDirOpt, PrintConfigOpt, RecipeOpt, SetOpt
+
+if TYPE_CHECKING:
+    from pfctl.data.encode import EncodeReport
 
 HELP = "Decode videos (decord), encode them with the video VAE and the text encoders, and write a resumable, provenance-stamped latent cache."
 EPILOG = (
-    "Example: pfctl encode-latents --recipe shapes-tiny --set encode.annotations=data/train.jsonl -o cache/"
+    "Examples: pfctl encode-latents -a data/train.jsonl -m ./pyramid-flow-miniflux -o cache/ | "
+    "pfctl encode-latents -a videos/ --vae causal-vae-tiny --set encode.text=false --dry-run | "
+    "torchrun --nproc_per_node 8 -m pfctl encode-latents --recipe my.yaml"
 )
+
+AnnotationsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--annotations",
+        "-a",
+        help="JSONL/CSV file (video|image, text; optional frames, fps, id) or a folder of videos with .txt captions (encode.annotations).",
+        show_default=False,
+    ),
+]
+VaeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--vae", help="VAE folder or built-in name, e.g. causal-vae-tiny (model.vae; default: MODEL/causal_video_vae).",
+        show_default=False,
+    ),
+]  # fmt: skip
+ChunkingOpt = Annotated[
+    Literal["none", "framewise", "exact"] | None,
+    typer.Option("--chunking", help="VAE temporal chunking (encode.chunking).", show_default=False),
+]
+MaxFailuresOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-failures",
+        help="Exit 1 if more inputs than this fail (encode.max_failures).",
+        show_default=False,
+    ),
+]
+OverwriteOpt = Annotated[
+    bool,
+    typer.Option(
+        "--overwrite", help="Delete an existing cache in the output folder and re-encode everything."
+    ),
+]
 
 
 def encode_latents(
-    recipe: RecipeOpt = None, overrides: SetOpt = None, show_config: PrintConfigOpt = False
+    recipe: RecipeOpt = None,
+    overrides: SetOpt = None,
+    show_config: PrintConfigOpt = False,
+    annotations: AnnotationsOpt = None,
+    output_dir: OutputDirOpt = None,
+    model: ModelOpt = None,
+    vae: VaeOpt = None,
+    chunking: ChunkingOpt = None,
+    max_failures: MaxFailuresOpt = None,
+    dry_run: DryRunOpt = False,
+    overwrite: OverwriteOpt = False,
 ) -> None:
     with command_errors():
-        config = resolve_config(recipe, overrides)
+        flags = {
+            "encode.annotations": annotations,
+            "encode.output_dir": output_dir,
+            "model.path": model,
+            "model.vae": vae,
+            "encode.chunking": chunking,
+            "encode.max_failures": max_failures,
+        }
+        config = resolve_config(recipe, overrides, flags)
         if show_config:
             print_config(config)
             return
         from pfctl import api
+        from pfctl.errors import CheckFailed
 
-        api.encode_latents(config)
+        try:
+            report = api.encode_latents(config, dry_run=dry_run, overwrite=overwrite)
+        except CheckFailed as exc:
+            partial = getattr(exc, "report", None)
+            if partial is not None:
+                render_report(partial)
+            raise
+        render_report(report)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def render_report(report: EncodeReport) -> None:
+    """The plan (dry run) or the summary: encoded / skipped / failed by reason (main process only)."""
+    if not report.is_main:
+        return
+    from rich.table import Table
+
+    from pfctl.runtime.logging import console
+
+    out = console()
+    for note in report.notes:
+        out.print(f"note: {note}")
+    if report.dry_run:
+        plan = Table(title=f"encode plan → {report.output_dir} (dry run: nothing written)")
+        for col in ("bucket", "frames", "latent shape", "clips", "cached", "size/clip"):
+            plan.add_column(col, justify="left" if col == "bucket" else "right")
+        for row in report.plan:
+            plan.add_row(
+                row.bucket, str(row.num_frames), "x".join(map(str, row.latent_shape)), str(row.clips), str(row.cached),
+                _size(row.bytes_per_clip),
+            )  # fmt: skip
+        out.print(plan)
+        todo = sum(r.clips - r.cached for r in report.plan)
+        out.print(
+            f"{todo} clip(s) to encode, estimated {_size(report.estimated_bytes)} on disk; fingerprint {report.fingerprint}"
+        )
+    summary = Table(title=None if report.dry_run else f"encode-latents → {report.output_dir}")
+    summary.add_column("")
+    summary.add_column("count", justify="right")
+    rows: list[tuple[str, Any]] = []
+    if not report.dry_run:
+        rows += [("encoded", report.encoded), ("skipped (already cached)", report.skipped)]
+    rows.append(("failed inputs" if not report.dry_run else "invalid inputs", report.failed))
+    rows += [(f"  {reason}", n) for reason, n in sorted(report.failures_by_reason.items())]
+    if not report.dry_run:
+        rows.append(("clips in manifest", report.manifest_clips))
+    for name, value in rows:
+        summary.add_row(name, str(value))
+    out.print(summary)
+    if not report.dry_run:
+        out.print(
+            f"{report.clips_per_s:.2f} clips/s ({report.encode_seconds:.1f} s encoding, {report.seconds:.1f} s total)"
+            + (f"; failures: {report.failures_path}" if report.failed else "")
+            + ("; stopped early (max_failures)" if report.stopped_early else "")
+        )
+    elif report.failures:
+        for f in report.failures[:10]:
+            out.print(f"  {f['source']} (line {f['line']}): {f['reason']} — {f['detail']}")

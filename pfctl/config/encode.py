@@ -1,11 +1,102 @@
-"""``encode:`` section — options of ``pfctl encode-latents``."""
+"""``encode:`` section — options of ``pfctl encode-latents``.
+
+Every option and its default lives here (one place). Frame counts are *pixel* frames; the
+VAE adapter snaps them to its frame contract (``1 + 8k`` for Pyramid Flow's causal VAE), so
+``num_frames: 121`` gives 16 latent frames and ``num_frames: 120`` is snapped down to 113.
+"""
 
 from __future__ import annotations
 
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
 from pfctl.config.base import Section
+
+DEFAULT_BUCKETS: tuple[tuple[int, int], ...] = ((640, 384), (384, 640))
+"""Pyramid Flow's 384p training resolutions as (width, height): landscape and portrait."""
 
 
 class EncodeConfig(Section):
-    """Options of encode-latents (filled in by the encode-latents feature)."""
+    """Options of encode-latents. Fields that change the latents are part of the cache fingerprint."""
 
+    # -- inputs / outputs ------------------------------------------------------------------------
+    annotations: str | None = None
+    """A JSONL or CSV annotation file (``video``/``image`` + ``text``; optional ``frames``, ``fps``,
+    ``id``) or a folder of videos/images with same-name ``.txt`` captions."""
     output_dir: str = "cache"
+    """The latent cache folder (created; re-running resumes it)."""
+
+    # -- frames ----------------------------------------------------------------------------------
+    fps: float | None = Field(default=24.0, gt=0)
+    """Target frame rate: source frames are resampled to it. None keeps every source frame."""
+    clip_mode: Literal["head", "uniform", "full"] = "head"
+    """``head``: one clip from the start; ``uniform``: ``clips_per_video`` clips spread evenly over
+    the video; ``full``: the whole video, up to ``max_frames``."""
+    clips_per_video: int = Field(default=1, ge=1)
+    """Clips per video in ``uniform`` mode (fewer when the video has no room for distinct clips)."""
+    num_frames: int = Field(default=121, ge=1)
+    """Pixel frames per clip (head/uniform), snapped down to the VAE's frame contract."""
+    max_frames: int = Field(default=241, ge=1)
+    """Upper bound of a ``full`` clip (pixel frames, snapped)."""
+    min_frames: int = Field(default=9, ge=1)
+    """A ``full`` clip shorter than this (after snapping) is skipped as ``too_short``."""
+    max_source_pixels: int = Field(default=4096 * 2304, ge=1)
+    """Sources with more pixels per frame are skipped as ``resolution_too_large`` (decoding them
+    would need gigabytes per clip)."""
+
+    # -- spatial ---------------------------------------------------------------------------------
+    buckets: list[tuple[int, int]] = Field(default_factory=lambda: [list(b) for b in DEFAULT_BUCKETS])
+    """Resolution buckets as [width, height]; each source goes to the bucket of nearest aspect ratio
+    (resize to cover, then center crop)."""
+
+    # -- VAE ---------------------------------------------------------------------------------------
+    chunking: Literal["none", "framewise", "exact"] = "none"
+    """``none``: one encode call per clip; ``framewise``: the VAE's temporal chunks (less memory;
+    differs from one call for VAEs with GroupNorm over time); ``exact``: chunked but equal to one call."""
+    chunk_frames: int | None = Field(default=None, ge=1)
+    """Frames per temporal chunk (None = the adapter's default)."""
+    tile: int | None = Field(default=None, ge=32)
+    """Spatial tile size in pixels for tiled encoding (None = no tiling)."""
+    dtype: Literal["bf16", "fp32"] | None = None
+    """Compute dtype of the VAE and text encoders (None = ``model.dtype``). fp16 is refused: it gives
+    NaN latents with Pyramid Flow's VAE. Cached tensors are always stored in bf16."""
+    store: Literal["mean_std", "sample"] = "mean_std"
+    """Store the posterior's mean and std (the trainer samples each epoch) or one sample."""
+
+    # -- text --------------------------------------------------------------------------------------
+    text: bool = True
+    """Encode captions with the model's text encoders (and the empty prompt, for caption dropout)."""
+    text_encoder: str | None = None
+    """Folder with ``tokenizer/``, ``text_encoder/``, ``tokenizer_2/``, ``text_encoder_2/``;
+    default: ``model.path``."""
+    max_sequence_length: int = Field(default=128, ge=1)
+    """T5 tokens per prompt (Pyramid Flow uses 128)."""
+
+    # -- run control -------------------------------------------------------------------------------
+    max_failures: int | None = Field(default=None, ge=0)
+    """Exit 1 when more inputs than this fail (None = never; failures are always reported)."""
+    num_workers: int = Field(default=2, ge=0)
+    """DataLoader workers that decode while the VAE encodes (0 = one prefetch thread)."""
+    prefetch: int = Field(default=2, ge=1)
+    """Decoded videos queued ahead of the encoder (per worker)."""
+
+    @field_validator("buckets")
+    @classmethod
+    def _check_buckets(cls, value: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        if not value:
+            raise ValueError("at least one bucket [width, height] is needed")
+        seen = set()
+        for width, height in value:
+            if width < 8 or height < 8:
+                raise ValueError(f"bucket [{width}, {height}] is too small")
+            if (width, height) in seen:
+                raise ValueError(f"bucket [{width}, {height}] is listed twice")
+            seen.add((width, height))
+        return value
+
+    @model_validator(mode="after")
+    def _check_frames(self) -> EncodeConfig:
+        if self.min_frames > self.max_frames:
+            raise ValueError(f"min_frames ({self.min_frames}) must be <= max_frames ({self.max_frames})")
+        return self

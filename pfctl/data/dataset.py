@@ -336,12 +336,12 @@ class LatentClipLoader:
 
 
 def latent_normalizer(vae_info: dict[str, Any]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The rule the cache header records (``vae.latent_norm``) as a function on ``(B, C, T, H, W)``."""
+    """The rule the cache header records (``vae.normalization``) as a function on ``(B, C, T, H, W)``."""
     from pfctl.models.vae import LatentNorm, normalize_latents
 
     rule = None
-    if isinstance(vae_info, dict):  # encode-latents writes ``normalization``; older headers ``latent_norm``
-        rule = vae_info.get("latent_norm") or vae_info.get("normalization")
+    if isinstance(vae_info, dict):
+        rule = vae_info.get("normalization")
     if isinstance(rule, dict) and rule.get("rule", "frame0_image_rest_video") == "frame0_image_rest_video":
         norm = LatentNorm.from_dict(rule)
         return lambda z: normalize_latents(z, norm)
@@ -349,7 +349,7 @@ def latent_normalizer(vae_info: dict[str, Any]) -> Callable[[torch.Tensor], torc
         return lambda z: z
     raise CacheError(
         f"the latent cache header records no latent normalisation this trainer understands (vae = {vae_info!r})",
-        hint="re-encode the cache with this pfctl (its header must carry vae.latent_norm)",
+        hint="re-encode the cache with this pfctl (its header must carry vae.normalization)",
     )
 
 
@@ -381,7 +381,7 @@ def write_synthetic_cache(
         "format": lc.FORMAT_NAME,
         "format_version": lc.FORMAT_VERSION,
         "fingerprint": f"synthetic-{seed}-{channels}x{height}x{width}-{store}",
-        "vae": {"name": "synthetic", "latent_channels": channels, "latent_norm": FLUX_LATENT_NORM.to_dict()},
+        "vae": {"name": "synthetic", "latent_channels": channels, "normalization": FLUX_LATENT_NORM.to_dict()},
         "latent_keys": list(lc.LATENT_KEYS_MEAN_STD if store == "mean_std" else lc.LATENT_KEYS_SAMPLE),
         "provenance": {"synthetic": {"seed": seed, "lengths": list(lengths)}},
     }

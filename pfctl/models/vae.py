@@ -437,7 +437,7 @@ def _diffusers_vae(
             f"cannot load {spec!r}: diffusers VAE support (pfctl.models.diffusers_vae) is unavailable: {exc}",
             hint="use the Pyramid causal VAE (a CausalVideoVAE folder or 'causal-vae-tiny')",
         ) from exc
-    return load_diffusers_vae(spec, class_name, dtype, device)
+    return load_diffusers_vae(spec, class_name, dtype=dtype, device=device)
 
 
 def _is_diffusers_model_class(name: str) -> bool:
@@ -459,6 +459,7 @@ def load_vae(
 ) -> VideoVAE:
     """Open a VAE by folder or built-in name.
 
+    * ``"default"``: the trained VAE of the embedded shapes demo model (:mod:`pfctl.models.embedded`).
     * ``"causal-vae-tiny"``: the random demonstration VAE (:func:`build_tiny_causal_vae`).
     * other built-in ``*-tiny`` names (``cogvideox-tiny``, ``wan-tiny``, ...): diffusers VAEs.
     * a folder whose ``config.json`` has ``_class_name == "CausalVideoVAE"`` (e.g. the official
@@ -469,6 +470,13 @@ def load_vae(
     """
     dtype = _as_dtype(dtype)
     text = os.fspath(spec)
+    if text == "default":  # the embedded shapes demo model's VAE (fingerprint-checked)
+        from pfctl.models.embedded import embedded_vae_folder
+
+        adapter = PyramidCausalVAE(load_causal_vae_folder(embedded_vae_folder(), dtype=dtype, device=device))
+        adapter.is_demo = True  # type: ignore[attr-defined]
+        adapter.demo_name = "the embedded shapes demo VAE (pfctl/assets/shapes-tiny)"  # type: ignore[attr-defined]
+        return adapter
     path = Path(text).expanduser()
     if not path.is_dir():
         if text == "causal-vae-tiny":

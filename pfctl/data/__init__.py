@@ -1,0 +1,10 @@
+"""Data: annotations → decoded, resampled, bucketed clips → the latent cache the trainer reads.
+
+- ``annotations``: JSONL / CSV / folder inputs, validated into :class:`Item` rows.
+- ``video``: decord decoding, fps resampling, clip extraction, resize-to-cover + center crop.
+- ``buckets``: resolution buckets (nearest aspect ratio).
+- ``latent_cache``: the on-disk cache (writer + :class:`LatentCache` reader, format_version, fingerprint).
+- ``encode``: the ``encode-latents`` pipeline (:func:`run_encode`).
+
+Import the submodules directly; this package imports nothing heavy.
+"""

@@ -1,0 +1,316 @@
+"""encode-latents end to end on real H.264 files with the tiny causal VAE (and tiny text encoders)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pfctl.config.load import load_config
+from pfctl.data import latent_cache as lc
+from pfctl.data.encode import run_encode
+from pfctl.data.synthetic import index_frames, moving_frames, write_bad_media, write_video
+from pfctl.errors import CacheError, CheckFailed, ConfigError, InputError, ModelLoadError
+
+REPO = Path(__file__).resolve().parents[2]
+BUCKETS = [[32, 24], [24, 32]]  # small buckets keep the tiny VAE at ~0.1 s per clip on 2 cores
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Four good inputs (2 s landscape at 24 fps, 2 s at 30 fps, a portrait clip, an image) + annotations."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("encode-corpus")
+    write_video(root / "videos" / "a.mp4", moving_frames(48, 64, 64), fps=24)
+    write_video(root / "videos" / "b.mp4", index_frames(60, 48, 64), fps=30)
+    write_video(root / "videos" / "p.mp4", moving_frames(40, 64, 48, seed=1), fps=24)
+    Image.fromarray(np.full((40, 60, 3), 90, dtype=np.uint8)).save(root / "videos" / "c.png")
+    rows = [
+        {"video": "videos/a.mp4", "text": "a red square moves to the right"},
+        {"video": "videos/b.mp4", "text": "a gray ramp", "id": "../../escape"},
+        {"video": "videos/p.mp4", "text": "a portrait clip"},
+        {"image": "videos/c.png", "text": "a gray image"},
+    ]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+@pytest.fixture(scope="session")
+def text_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from helpers.tiny_models import make_text_encoder_folder
+
+    return make_text_encoder_folder(tmp_path_factory.mktemp("text"))
+
+
+@pytest.fixture(scope="session")
+def runtime():
+    from pfctl.config.schema import RuntimeConfig
+    from pfctl.runtime.accelerator import build_runtime
+
+    return build_runtime(RuntimeConfig(device="cpu"))
+
+
+def _config(annotations: Path, out: Path, **encode):
+    flags = {
+        "encode.annotations": str(annotations),
+        "encode.output_dir": str(out),
+        "model.vae": "causal-vae-tiny",
+        "encode.buckets": BUCKETS,
+        "encode.num_frames": 9,
+        "encode.num_workers": 0,
+        "encode.text": False,
+        "encode.dtype": "fp32",  # bf16 convolutions are slow on CPUs
+    }
+    flags.update({f"encode.{k}": v for k, v in encode.items()})
+    return load_config(None, [], flags)
+
+
+def _stamps(root: Path) -> dict[str, tuple[int, int]]:
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in root.glob("clips/*/*.safetensors")}
+
+
+def test_tiny_vae_declares_the_8k_plus_1_contract() -> None:
+    from pfctl.data.video import FrameContract
+    from pfctl.models.vae import load_vae
+
+    assert FrameContract.from_vae(load_vae("causal-vae-tiny"), 130) == FrameContract.one_plus_multiple(8, 130)
+
+
+def test_round_trip_with_text(corpus: Path, text_folder: Path, tmp_path: Path, runtime) -> None:
+    config = _config(
+        corpus / "train.jsonl", tmp_path / "cache", text=True, text_encoder=str(text_folder), num_frames=17
+    )
+    report = run_encode(config, runtime=runtime)
+    assert (report.encoded, report.skipped, report.failed, report.manifest_clips) == (4, 0, 0, 4)
+    cache = lc.LatentCache.open(tmp_path / "cache")
+    assert cache.ids() == sorted(["videos/a", "../../escape", "videos/p", "videos/c"])
+    assert not (tmp_path / "escape").exists() and not list(tmp_path.glob("*.safetensors"))
+    header = cache.header
+    assert header["format_version"] == lc.FORMAT_VERSION and header["fingerprint"] == report.fingerprint
+    assert header["vae"]["name"] == "pyramid-causal-vae" and header["vae"]["normalization"]["rule"]
+    assert header["text_encoder"]["dim"] == 32 and header["provenance"]["preprocessing"]["num_frames"] == 17
+    rows = {r["id"]: r for r in cache.items()}
+    assert rows["videos/a"]["bucket"] == "32x24" and rows["videos/p"]["bucket"] == "24x32"
+    assert (rows["videos/a"]["num_latent_frames"], rows["videos/a"]["height"], rows["videos/a"]["width"]) == (
+        3,
+        3,
+        4,
+    )
+    assert rows["videos/c"]["num_latent_frames"] == 1 and rows["videos/c"]["kind"] == "image"
+    tensors = cache.load("../../escape")
+    assert tensors["latent_mean"].shape == (16, 3, 3, 4) and tensors["latent_mean"].dtype == torch.bfloat16
+    assert bool((tensors["latent_std"] > 0).all())
+    assert (
+        tensors["prompt_embeds"].shape == (128, 32) and tensors["prompt_attention_mask"].dtype == torch.int64
+    )
+    meta = cache.metadata("../../escape")
+    assert json.loads(meta["frame_indices"]) == [int(j * 30 / 24) for j in range(17)]
+    assert meta["fps"] == "24" and meta["source_fps"] == "30" and meta["chunking"] == "none"
+    assert meta["vae_class"] == "CausalVideoVAE" and meta["text"] == "a gray ramp"
+    null = cache.null_text()
+    assert null["prompt_embeds"].shape == (128, 32) and int(null["prompt_attention_mask"].sum()) >= 1
+    # same latents as encoding the decoded clip directly with the adapter
+    from pfctl.data.annotations import load_annotations
+    from pfctl.data.encode import frame_settings
+    from pfctl.data.video import FrameContract, decode_item, to_model_input
+    from pfctl.models.vae import load_vae
+
+    vae = load_vae("causal-vae-tiny")
+    item = next(i for i in load_annotations(corpus / "train.jsonl") if i.id == "videos/a")
+    settings = frame_settings(config.encode, FrameContract.from_vae(vae, 241), decode_threads=0)
+    direct = vae.encode(to_model_input(decode_item(item, settings).frames[0]).unsqueeze(0))
+    assert torch.equal(direct.mean[0].bfloat16(), cache.load("videos/a")["latent_mean"])
+
+
+def test_dry_run_encodes_nothing(corpus: Path, tmp_path: Path, runtime) -> None:
+    out = tmp_path / "never"
+    report = run_encode(_config(corpus / "train.jsonl", out), runtime=runtime, dry_run=True)
+    assert not out.exists()
+    plan = {(r.bucket, r.num_frames): r for r in report.plan}
+    assert plan[("32x24", 9)].clips == 2 and plan[("24x32", 9)].clips == 1 and plan[("32x24", 1)].clips == 1
+    assert plan[("32x24", 9)].latent_shape == (16, 2, 3, 4) and plan[("32x24", 1)].latent_shape == (
+        16,
+        1,
+        3,
+        4,
+    )
+    assert report.estimated_bytes == sum(r.bytes_per_clip * r.clips for r in report.plan) > 0
+    assert report.encoded == 0 and report.failed == 0
+    # after a real run the dry run counts the cached clips
+    run_encode(_config(corpus / "train.jsonl", out), runtime=runtime)
+    again = run_encode(_config(corpus / "train.jsonl", out), runtime=runtime, dry_run=True)
+    assert sum(r.cached for r in again.plan) == 4 and again.estimated_bytes == 0
+
+
+def test_rerun_encodes_only_missing_clips(corpus: Path, tmp_path: Path, runtime) -> None:
+    out = tmp_path / "cache"
+    first = run_encode(_config(corpus / "train.jsonl", out), runtime=runtime)
+    assert first.encoded == 4
+    victim = out / lc.clip_relpath("videos/p")
+    victim.unlink()
+    (out / lc.MANIFEST_FILE).unlink()  # as after a killed run
+    before = _stamps(out)
+    second = run_encode(_config(corpus / "train.jsonl", out), runtime=runtime)
+    assert (second.encoded, second.skipped, second.manifest_clips) == (1, 3, 4)
+    after = _stamps(out)
+    assert {k: after[k] for k in before} == before and victim.is_file()
+
+
+def test_fingerprint_mismatch_is_refused_and_nothing_rewritten(corpus: Path, tmp_path: Path, runtime) -> None:
+    out = tmp_path / "cache"
+    run_encode(_config(corpus / "train.jsonl", out), runtime=runtime)
+    before, header = _stamps(out), (out / lc.HEADER_FILE).read_text()
+    with pytest.raises(CacheError) as info:
+        run_encode(_config(corpus / "train.jsonl", out, fps=12), runtime=runtime)
+    assert "preprocessing.fps" in info.value.message and "--overwrite" in info.value.hint
+    with pytest.raises(CacheError, match="chunking"):
+        run_encode(_config(corpus / "train.jsonl", out, chunking="framewise"), runtime=runtime, dry_run=True)
+    assert _stamps(out) == before and (out / lc.HEADER_FILE).read_text() == header
+    redo = run_encode(_config(corpus / "train.jsonl", out, fps=12), runtime=runtime, overwrite=True)
+    assert redo.encoded == 4 and redo.failed == 0
+    assert lc.LatentCache.open(out).header["provenance"]["preprocessing"]["fps"] == 12
+
+
+def test_corrupt_corpus_reasons_and_max_failures(corpus: Path, tmp_path: Path, runtime) -> None:
+    bad = write_bad_media(tmp_path / "bad", corpus / "videos" / "a.mp4")
+    write_video(tmp_path / "bad" / "short.mp4", moving_frames(8, 64, 64), fps=24)
+    write_video(tmp_path / "bad" / "huge.mp4", moving_frames(20, 96, 128), fps=24)
+    expected = {**bad, "short.mp4": "too_short", "huge.mp4": "resolution_too_large", "gone.mp4": "missing"}
+    rows = [{"video": str(corpus / "videos" / "a.mp4"), "text": "good"}]
+    rows += [{"video": f"bad/{name}", "text": "bad"} for name in expected]
+    ann = tmp_path / "mixed.jsonl"
+    ann.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = _config(ann, tmp_path / "cache", max_source_pixels=100 * 100)
+    report = run_encode(config, runtime=runtime)
+    assert report.encoded == 1 and report.failed == len(expected)
+    assert sorted(report.failures_by_reason.items()) == sorted(
+        {r: list(expected.values()).count(r) for r in set(expected.values())}.items()
+    )
+    failures = [json.loads(line) for line in (tmp_path / "cache" / lc.FAILURES_FILE).read_text().splitlines()]
+    assert {Path(f["source"]).name: f["reason"] for f in failures} == expected
+    assert all(f["detail"] and f["line"] >= 2 for f in failures)
+    with pytest.raises(CheckFailed) as info:  # rerun: the good clip is cached, the bad ones fail again
+        run_encode(config, runtime=runtime, max_failures=3)
+    assert info.value.exit_code == 1 and info.value.report.skipped == 1
+    assert "max_failures=3" in info.value.message and len(lc.LatentCache.open(tmp_path / "cache")) == 1
+
+
+def test_uniform_clips_full_mode_and_sample_store(corpus: Path, tmp_path: Path, runtime) -> None:
+    uniform = run_encode(
+        _config(corpus / "train.jsonl", tmp_path / "u", clip_mode="uniform", clips_per_video=3),
+        runtime=runtime,
+    )
+    ids = lc.LatentCache.open(tmp_path / "u").ids()
+    assert (
+        "videos/a#0" in ids
+        and "videos/a#2" in ids
+        and "videos/c" in ids
+        and uniform.encoded == len(ids) == 10
+    )
+    config = _config(corpus / "train.jsonl", tmp_path / "f", clip_mode="full", max_frames=20, store="sample")
+    full = run_encode(config, runtime=runtime)
+    cache = lc.LatentCache.open(tmp_path / "f")
+    assert full.encoded == 4 and cache.latent_keys == ("latent_sample",)
+    assert cache.row("videos/a")["num_frames"] == 17 and cache.row("videos/c")["num_frames"] == 1
+    assert set(cache.load("videos/a")) == {"latent_sample"}
+
+
+def test_input_errors_exit_2(corpus: Path, tmp_path: Path, runtime) -> None:
+    with pytest.raises(InputError, match="does not exist"):
+        run_encode(_config(tmp_path / "none.jsonl", tmp_path / "c"), runtime=runtime)
+    with pytest.raises(ConfigError, match="no text encoder folder"):
+        run_encode(_config(corpus / "train.jsonl", tmp_path / "c", text=True), runtime=runtime)
+    config = _config(corpus / "train.jsonl", tmp_path / "c")
+    with pytest.raises(ModelLoadError, match="neither a folder nor a built-in"):
+        run_encode(
+            config.model_copy(update={"model": config.model.model_copy(update={"vae": "nope-vae"})}),
+            runtime=runtime,
+        )
+    with pytest.raises(ConfigError, match="spatial factor"):
+        run_encode(_config(corpus / "train.jsonl", tmp_path / "c", buckets=[[60, 48]]), runtime=runtime)
+    assert not (tmp_path / "c").exists()
+
+
+# ------------------------------------------------------------------------------- real processes
+
+
+def _cli(*args: str, env: dict | None = None) -> list[str]:
+    return [sys.executable, "-m", "pfctl", "encode-latents", *args]
+
+
+def _cli_args(ann: Path, out: Path, workers: int = 0) -> list[str]:
+    return [
+        "-a", str(ann), "-o", str(out), "--vae", "causal-vae-tiny",
+        "--set", "encode.text=false", "--set", f"encode.buckets={json.dumps(BUCKETS)}",
+        "--set", "encode.num_frames=9", "--set", f"encode.num_workers={workers}", "--set", "runtime.device=cpu",
+        "--set", "encode.dtype=fp32",
+    ]  # fmt: skip
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PFCTL_TEST_THREADS": "1", "OMP_NUM_THREADS": "1", **extra}
+    env.pop("PFCTL_DEBUG", None)
+    return env
+
+
+def _many_clips(corpus: Path, tmp_path: Path, copies: int) -> Path:
+    rows = [
+        {"video": str(corpus / "videos" / name), "text": f"clip {k}", "id": f"{Path(name).stem}-{k}"}
+        for k in range(copies)
+        for name in ("a.mp4", "b.mp4", "p.mp4")
+    ]
+    ann = tmp_path / "many.jsonl"
+    ann.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return ann
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_without_reencoding(corpus: Path, tmp_path: Path) -> None:
+    ann, out = _many_clips(corpus, tmp_path, 3), tmp_path / "cache"
+    proc = subprocess.Popen(
+        _cli(*_cli_args(ann, out)), env=_env(PFCTL_TEST_SLEEP_PER_CLIP="1.0"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while len(_stamps(out)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    before = _stamps(out)
+    assert 2 <= len(before) < 9 and not (out / lc.MANIFEST_FILE).exists()
+    done = subprocess.run(_cli(*_cli_args(ann, out)), env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    after = _stamps(out)
+    assert len(after) == 9 and {k: after[k] for k in before} == before  # finished clips untouched
+    assert re.search(rf"skipped \(already cached\)\s*│\s*{len(before)}\s*│", done.stdout), done.stdout
+    assert len(lc.LatentCache.open(out)) == 9 and not list(out.rglob(".*.tmp"))
+
+
+@pytest.mark.slow
+def test_two_processes_write_every_clip_exactly_once(corpus: Path, tmp_path: Path) -> None:
+    ann, out = _many_clips(corpus, tmp_path, 2), tmp_path / "cache"
+    with ann.open("a") as fh:
+        fh.write(json.dumps({"video": "missing.mp4", "text": "x"}) + "\n")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "pfctl", "encode-latents", *_cli_args(ann, out, workers=1),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ids = [json.loads(line)["id"] for line in (out / lc.MANIFEST_FILE).read_text().splitlines()]
+    expected = sorted(f"{s}-{k}" for k in range(2) for s in ("a", "b", "p"))
+    assert ids == expected  # every clip exactly once
+    failures = [json.loads(line) for line in (out / lc.FAILURES_FILE).read_text().splitlines()]
+    assert [(f["id"], f["reason"]) for f in failures] == [("missing", "missing")]
+    assert len(_stamps(out)) == 6 and not (out / lc.PARTS_DIR).exists()
+    assert done.stdout.count("encode-latents →") == 1  # one summary, from the main process
