@@ -27,7 +27,7 @@ def _run(tmp: Path, out: str, **train) -> subprocess.CompletedProcess:
         "model": {"dit_preset": "tiny"},
         "train": {"cache": str(tmp / "cache"), "output_dir": str(tmp / out), "batch_size": 4, "max_units": 4,
                   "video_sync_group": 2, "warmup_steps": 1, "checkpoint_every": 2, "keep_last": None,
-                  "ema_decay": 0.9, "ema_every": 1, **train},
+                  "ema_decay": 0.9, "ema_every": 1, "log_every": 1, **train},
     }  # fmt: skip
     path = tmp / f"{out}.yaml"
     path.write_text(yaml.safe_dump(recipe))

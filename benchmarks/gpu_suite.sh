@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The GPU benchmark suite in one call (2x H200: single-GPU benchmarks on GPU 0, then the
+# 2-process sync-group run and the FSDP tests on both). Results: $OUT (or ./bench-out).
+# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,train_ckpt,sync,fsdp]
+set -uo pipefail
+OUT="${OUT:-bench-out}"; mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+STEPS="${1:-verify,train_ckpt,sync,fsdp}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpus.txt"
+python -c "import torch, diffusers; print('torch', torch.__version__, 'diffusers', diffusers.__version__)" | tee -a "$OUT/gpus.txt"
+case ",$STEPS," in *,verify,*)
+  echo "=== verify"; CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_verify.py --device cuda --repeats 2 --json "$OUT/verify.json" 2>&1 | grep -v "kept in float32" | tail -8;;
+esac
+case ",$STEPS," in *,train_ckpt,*)
+  echo "=== train (gradient checkpointing)"; CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_train.py --device cuda --gradient-checkpointing --json "$OUT/train_ckpt.json" 2>&1 | tail -18;;
+esac
+case ",$STEPS," in *,sync,*)
+  echo "=== sync group (2 GPUs, G=2, miniFLUX 384p)"; python benchmarks/bench_sync_group.py --nproc 2 --group 2 --preset miniflux --json "$OUT/sync.json" 2>&1 | tail -14;;
+esac
+case ",$STEPS," in *,fsdp,*)
+  echo "=== FSDP tests (2 GPUs)"; python -m pytest -q -p no:cacheprovider tests/integration/test_train_fsdp.py 2>&1 | tail -6;;
+esac
