@@ -13,7 +13,8 @@ HELP = "Text-to-video and image-to-video with the pyramid sampler; writes mp4 + 
 EPILOG = (
     'Examples: pfctl generate "a red circle moving right" -o outputs/  ·  '
     "pfctl generate --prompts prompts.jsonl --duration 5 -m ./pyramid-flow-miniflux  ·  "
-    'pfctl generate "the wave rolls in" --image beach.jpg --temp 16'
+    'pfctl generate "the wave rolls in" --image beach.jpg --temp 16  ·  '
+    'pfctl generate "a cat" --lora runs/cats/export --lora-scale 0.8'
 )
 
 PromptArg = Annotated[
@@ -56,6 +57,22 @@ SeedOpt = Annotated[
         "--seed", help="Seed of the first video (generate.seed; default runtime.seed).", show_default=False
     ),
 ]
+LoraOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--lora",
+        help="A LoRA adapter folder (a LoRA run's export/); repeatable. Without --model its base model is used.",
+        show_default=False,
+    ),
+]
+LoraScaleOpt = Annotated[
+    list[float] | None,
+    typer.Option(
+        "--lora-scale",
+        help="Scale of each --lora, in order (one value = every adapter; default 1).",
+        show_default=False,
+    ),
+]
 NumVideosOpt = Annotated[
     int | None,
     typer.Option("--num-videos", help="Videos per prompt (seeds seed, seed+1, ...).", show_default=False),
@@ -72,6 +89,8 @@ def generate(
     seed: SeedOpt = None,
     num_videos: NumVideosOpt = None,
     model: ModelOpt = None,
+    lora: LoraOpt = None,
+    lora_scale: LoraScaleOpt = None,
     output_dir: OutputDirOpt = None,
     recipe: RecipeOpt = None,
     overrides: SetOpt = None,
@@ -87,6 +106,7 @@ def generate(
             "generate.output_dir": output_dir,
             "generate.seed": seed,
             "generate.num_videos": num_videos,
+            "generate.lora": lora_refs(lora, lora_scale),
         }
         config = resolve_config(recipe, overrides, flags)
         length = choose_length(temp=temp, frames=frames, duration=duration, fps=config.generate.fps)
@@ -112,3 +132,24 @@ def generate(
             log(
                 f"wrote {video.path}  ({video.num_frames} frames, {video.width}x{video.height}, seed {video.seed})"
             )
+
+
+def lora_refs(
+    paths: list[str] | None, scales: list[float] | None, scale_flag: str = "--lora-scale"
+) -> list[dict] | None:
+    """``--lora`` / ``--lora-scale`` pairs → ``generate.lora`` entries (None: not given)."""
+    from pfctl.errors import ConfigError
+
+    paths, scales = list(paths or []), list(scales or [])
+    if not paths:
+        if scales:
+            raise ConfigError(f"{scale_flag} given without --lora", hint="add --lora PATH for each scale")
+        return None
+    if len(scales) not in (0, 1, len(paths)):
+        raise ConfigError(
+            f"{len(scales)} {scale_flag} values for {len(paths)} --lora adapters",
+            hint="give one scale per adapter (in order), a single scale for all, or none (1.0)",
+        )
+    if len(scales) <= 1:
+        scales = scales * len(paths) if scales else [1.0] * len(paths)
+    return [{"path": p, "scale": s} for p, s in zip(paths, scales, strict=True)]

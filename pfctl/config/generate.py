@@ -39,8 +39,22 @@ RESOLUTIONS: dict[str, tuple[int, int]] = {"384p": (640, 384), "768p": (1280, 76
 StepList = list[int]
 
 
+class LoraRef(Section):
+    """One LoRA adapter to apply while generating."""
+
+    path: str
+    """An adapter folder (a LoRA run's ``export/``, or a peft adapter folder)."""
+    scale: float = 1.0
+    """Multiplies the adapter's contribution (1 = as trained, 0 = off, between = weaker)."""
+
+
 class GenerateConfig(Section):
     """Options of generate. Every field is recorded in each video's JSON sidecar."""
+
+    # -- adapters ---------------------------------------------------------------------------------
+    lora: list[LoraRef] = Field(default_factory=list)
+    """LoRA adapters applied (unmerged, all at once, each at its scale) on the DiT. Without
+    ``model.path`` the base model named in the first adapter's ``pfctl_lora.json`` is loaded."""
 
     # -- outputs ----------------------------------------------------------------------------------
     output_dir: str = "outputs/generate"

@@ -9,10 +9,65 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from pfctl.config.base import Section
 from pfctl.errors import ConfigError
+
+DEFAULT_LORA_TARGETS: list[str] = [
+    # double-stream blocks: attention (image and text sides) and both feed-forwards
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
+    # single-stream blocks: q/k/v (above), the MLP input and the fused attention+MLP output
+    "proj_mlp",
+    "proj_out",
+]
+"""Module-name suffixes inside the DiT's transformer blocks (the AdaLN ``norm*.linear`` layers, the
+embedders and the final ``proj_out`` outside the blocks stay frozen)."""
+
+
+class TrainLoraConfig(Section):
+    """``train.lora:`` — low-rank adapters (through peft) instead of full fine-tuning."""
+
+    enabled: bool = False
+    """Train LoRA adapters on the frozen DiT; off = full fine-tuning (every weight trains)."""
+    rank: int = Field(default=64, ge=1)
+    """r: the adapters' inner dimension (trainable parameters grow linearly with it)."""
+    alpha: float = Field(default=64.0, gt=0.0)
+    """The adapter output is scaled by alpha / rank (alpha = rank: scale 1)."""
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter input (training only)."""
+    targets: list[str] | str = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
+    """Which Linear layers get adapters. A list: module-name suffixes (matched at a ``.`` boundary)
+    of Linear layers inside the transformer blocks; every entry must match at least one layer.
+    A string: a regular expression full-matched against every module name of the DiT (peft's rule),
+    e.g. ``'.*\\.attn\\.to_[qkv]'``."""
+
+    @field_validator("targets")
+    @classmethod
+    def _targets_not_empty(cls, value: list[str] | str) -> list[str] | str:
+        if isinstance(value, str):
+            import re
+
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"not a valid regular expression: {exc}") from None
+            if not value:
+                raise ValueError("an empty pattern matches no module")
+        elif not value or any(not isinstance(v, str) or not v.strip() for v in value):
+            raise ValueError("needs at least one non-empty module-name suffix")
+        return value
 
 
 class TrainConfig(Section):
@@ -52,6 +107,12 @@ class TrainConfig(Section):
     """Share of batches drawn from image (1-frame) buckets; None = their natural share."""
 
     # --- optimizer --------------------------------------------------------------------------------
+    optimizer: Literal["adamw", "sgd_momentum", "adafactor"] = "adamw"
+    """``adamw``: 2 fp32 states per trainable parameter (8 B). ``sgd_momentum``: one (4 B; uses
+    ``momentum``, L2 weight decay). ``adafactor`` (transformers' Adafactor, no first moment, factored
+    second moment): a matrix of m x n keeps m + n fp32 values instead of 2·m·n."""
+    momentum: float = Field(default=0.9, ge=0.0, lt=1.0)
+    """Momentum of ``sgd_momentum``."""
     lr: float = Field(default=5e-5, gt=0.0)
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = Field(default=1e-4, ge=0.0)
@@ -76,7 +137,14 @@ class TrainConfig(Section):
     ema_every: int = Field(default=100, ge=1)
     """Update the EMA every N optimizer steps (the reference: 100)."""
 
+    # --- LoRA ---------------------------------------------------------------------------------
+    lora: TrainLoraConfig = Field(default_factory=TrainLoraConfig)
+
     # --- memory / parallelism -------------------------------------------------------------------
+    base_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Storage dtype of the frozen base weights of a LoRA run (the adapters always train in fp32).
+    ``bf16`` halves the base's memory; it needs bf16 autocast (``runtime.mixed_precision`` bf16,
+    the CUDA default) and LoRA (full fine-tuning keeps fp32 master weights)."""
     gradient_checkpointing: bool = False
     gradient_checkpointing_ratio: float = Field(default=0.75, ge=0.0, le=1.0)
     """Share of DiT blocks recomputed in backward, counted from the input side."""
@@ -154,6 +222,17 @@ def check_train_constraints(train: TrainConfig, world_size: int) -> None:
         raise ConfigError(
             f"train.max_units {train.max_units} is not divisible by train.video_sync_group {g}",
             hint=f"a group covers the units 1..M in M/G micro-steps; choose G from {divisors}",
+        )
+    if train.base_dtype == "bf16" and not train.lora.enabled:
+        raise ConfigError(
+            "train.base_dtype=bf16 needs train.lora.enabled=true: only a LoRA run has frozen base weights "
+            "(full fine-tuning keeps fp32 master weights)",
+            hint="--set train.lora.enabled=true, or keep train.base_dtype=fp32",
+        )
+    if train.lora.enabled and train.fsdp != "none":
+        raise ConfigError(
+            f"train.lora.enabled=true with train.fsdp={train.fsdp}: LoRA runs are not sharded in this version",
+            hint="use train.fsdp=none (several GPUs still work: data parallel), or full fine-tuning with FSDP",
         )
     if train.heldout_clips == 0 and train.eval_every is not None:
         raise ConfigError(

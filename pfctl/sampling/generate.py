@@ -338,6 +338,57 @@ def _load(config: Any, dtype: torch.dtype, device: torch.device | str) -> Any:
     return checkpoint.load_components(root, **kwargs)
 
 
+def _read_adapters(gen: GenerateConfig) -> list[Any]:
+    """Read every ``generate.lora`` folder now (a bad path fails before a model is loaded)."""
+    if not gen.lora:
+        return []
+    from pfctl.models.lora import read_lora
+
+    return [read_lora(ref.path, ref.scale) for ref in gen.lora]
+
+
+def _with_lora_base(config: Any, adapter: Any) -> Any:
+    """No ``model.path``: load the base model the adapter was trained on (its marker names it)."""
+    marker = adapter.marker or {}
+    base = marker.get("base_model_path")
+    if not base:
+        raise ConfigError(
+            f"LoRA {adapter.path} does not name its base model (trained from a preset, or a foreign adapter)",
+            hint="pass the base model with --model",
+        )
+    if not Path(base).is_dir():
+        raise ModelLoadError(
+            f"the base model of LoRA {adapter.path} is gone: {base}", hint="pass the base model with --model"
+        )
+    update: dict[str, Any] = {"path": base}
+    if marker.get("variant"):
+        update["variant"] = marker["variant"]
+    pflog.log(f"LoRA {adapter.path}: base model {base}")
+    return config.model_copy(update={"model": config.model.model_copy(update=update)})
+
+
+def _apply_adapters(dit: Any, adapters: list[Any], components: Any, *, owned: bool) -> Any:
+    """Attach the adapters to the DiT (a copy when the caller owns the components)."""
+    import copy
+
+    from pfctl.models.lora import _check_base, apply_lora
+
+    _check_base(adapters, dict(getattr(components, "info", {}) or {}))
+    if not owned:
+        dit = copy.deepcopy(dit)
+    dtype = next(dit.parameters()).dtype
+    apply_lora(dit, adapters, dtype=dtype)
+    listed = ", ".join(f"{a.path} x{a.scale:g}" for a in adapters)
+    pflog.log(f"LoRA applied: {listed}")
+    return dit.eval()
+
+
+def _adapter_fingerprint(adapter: Any) -> str:
+    from pfctl.utils.io import tensor_fingerprint
+
+    return tensor_fingerprint(adapter.state)
+
+
 def _resolve_dtype(gen: GenerateConfig, model_dtype: str, device_type: str) -> torch.dtype:
     name = gen.dtype
     if name == "auto":
@@ -580,9 +631,15 @@ def run_generate(
     offload = gen.offload and device.type != "cpu"
     if gen.offload and not offload:
         pflog.log("generate.offload has no effect on the CPU")
+    adapters = _read_adapters(gen)
+    if adapters and config.model.path is None and components is None:
+        config = _with_lora_base(config, adapters[0])
+    loaded_here = components is None
     if components is None:
         components = _load(config, dtype, "cpu" if offload else device)
     dit, vae, text_encoder = components.dit, components.vae, components.text_encoder
+    if adapters and dit is not None:
+        dit = _apply_adapters(dit, adapters, components, owned=loaded_here)
     missing = [n for n, c in (("DiT", dit), ("VAE", vae), ("text encoder", text_encoder)) if c is None]
     if missing:
         raise ModelLoadError(f"generate needs a DiT, a VAE and text encoders; missing: {', '.join(missing)}")
@@ -645,7 +702,12 @@ def run_generate(
         "dit_class": info.get("dit_class") or type(dit).__name__,
         "use_ema": bool(info.get("use_ema", _is_ema_load(config))),
         "fingerprints": info.get("fingerprints") or {},
-    }
+        "lora": [
+            {"path": str(a.path.resolve()), "scale": a.scale, "rank": a.config.get("r"),
+             "fingerprint": _adapter_fingerprint(a)}
+            for a in adapters
+        ],
+    }  # fmt: skip
     runtime_info = {
         "device": str(device),
         "dtype": str(dtype).replace("torch.", ""),

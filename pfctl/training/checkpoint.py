@@ -3,6 +3,7 @@
 Layout of ``output_dir/checkpoints/step-NNNNNN/``::
 
     model/config.json + diffusion_pytorch_model.safetensors   the DiT (a diffusers model folder)
+      (LoRA runs: model/adapter_model.safetensors + adapter_config.json — the adapter only, peft layout)
     ema/...                                                    same, EMA weights (when EMA is on)
     optimizer.safetensors + optimizer.json                    AdamW state (tensors) + param groups
     lr_scheduler.json                                          LambdaLR state (the LR is a function of step)
@@ -190,6 +191,8 @@ class CheckpointPayload:
     ema_state: dict[str, torch.Tensor] | None = None
     optimizer_state: dict[str, Any] | None = None
     scheduler_state: dict[str, Any] | None = None
+    adapter_config: dict[str, Any] | None = None
+    """Set for LoRA runs: ``model_state`` / ``ema_state`` are adapter tensors, written in peft's layout."""
 
 
 def save_checkpoint(
@@ -214,9 +217,16 @@ def save_checkpoint(
     atomic_write_json(tmp / "ranks" / f"{rank_name}.json", payload.rank_state)
     if is_main:
         assert payload.model is not None and payload.model_state is not None
-        save_model_folder(tmp / "model", payload.model, payload.model_state)
-        if payload.ema_state is not None:
-            save_model_folder(tmp / "ema", payload.model, payload.ema_state)
+        if payload.adapter_config is not None:
+            from pfctl.models.lora import write_adapter_files
+
+            write_adapter_files(tmp / "model", payload.model_state, payload.adapter_config)
+            if payload.ema_state is not None:
+                write_adapter_files(tmp / "ema", payload.ema_state, payload.adapter_config)
+        else:
+            save_model_folder(tmp / "model", payload.model, payload.model_state)
+            if payload.ema_state is not None:
+                save_model_folder(tmp / "ema", payload.model, payload.ema_state)
         if payload.optimizer_state is not None:
             tensors, meta = optimizer_to_files(payload.optimizer_state)
             atomic_save_safetensors(tensors, tmp / "optimizer.safetensors")
@@ -238,12 +248,15 @@ def save_checkpoint(
 def prune_checkpoints(root: Path, keep_last: int | None) -> list[Path]:
     """Delete all but the newest ``keep_last`` complete checkpoints (and stale temp folders)."""
     removed = []
-    for child in root.glob(".tmp-step-*"):
+    for child in [*root.glob(".tmp-step-*"), *root.glob(".tmp-deleting-*")]:
         shutil.rmtree(child, ignore_errors=True)
     if keep_last is None:
         return removed
     for _, path in list_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(path, ignore_errors=True)
+        # renamed first: a kill during the delete must not leave a "complete" half-deleted checkpoint
+        doomed = path.with_name(f".tmp-deleting-{path.name}")
+        os.replace(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
         removed.append(path)
     return removed
 
@@ -258,6 +271,16 @@ class LoadedCheckpoint:
     ema_state: dict[str, torch.Tensor] | None
     optimizer_state: dict[str, Any] | None
     scheduler_state: dict[str, Any] | None
+    is_lora: bool = False
+    """``model_state`` / ``ema_state`` hold LoRA adapter tensors (keys ``<module>.lora_{A,B}.weight``)."""
+
+
+def _load_weights(folder: Path) -> dict[str, torch.Tensor]:
+    from pfctl.models.lora import ADAPTER_WEIGHTS, read_adapter_files
+
+    if (folder / ADAPTER_WEIGHTS).is_file():
+        return read_adapter_files(folder)[0]
+    return load_tensors(folder / MODEL_WEIGHTS)
 
 
 def load_checkpoint(path: str | os.PathLike[str], *, rank: int) -> LoadedCheckpoint:
@@ -284,13 +307,16 @@ def load_checkpoint(path: str | os.PathLike[str], *, rank: int) -> LoadedCheckpo
         meta = json.loads((path / "optimizer.json").read_text())
         optimizer_state = optimizer_from_files(load_tensors(path / "optimizer.safetensors"), meta)
     scheduler_file = path / "lr_scheduler.json"
+    from pfctl.models.lora import ADAPTER_WEIGHTS
+
     return LoadedCheckpoint(
         path=path,
         train_state=train_state,
         rank_state=json.loads(rank_json.read_text()),
         rank_tensors=load_tensors(path / "ranks" / f"rank-{rank:05d}.safetensors"),
-        model_state=load_tensors(path / "model" / MODEL_WEIGHTS),
-        ema_state=load_tensors(path / "ema" / MODEL_WEIGHTS) if (path / "ema").is_dir() else None,
+        model_state=_load_weights(path / "model"),
+        ema_state=_load_weights(path / "ema") if (path / "ema").is_dir() else None,
         optimizer_state=optimizer_state,
         scheduler_state=json.loads(scheduler_file.read_text()) if scheduler_file.is_file() else None,
+        is_lora=(path / "model" / ADAPTER_WEIGHTS).is_file(),
     )

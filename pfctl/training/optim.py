@@ -1,4 +1,14 @@
-"""AdamW with decay on matrices only, and the LR schedule (linear warmup → constant | cosine).
+"""The optimizer (AdamW | SGD with momentum | Adafactor; decay on matrices only) and the LR schedule
+(linear warmup → constant | cosine).
+
+Optimizer state per trainable parameter, fp32 (what ``train.optimizer`` buys):
+
+* ``adamw`` — exp_avg + exp_avg_sq: 8 bytes per parameter;
+* ``sgd_momentum`` — one momentum buffer: 4 bytes;
+* ``adafactor`` — transformers' Adafactor without first moment (``beta1=None``) and with a factored
+  second moment: a matrix m x n keeps a row and a column vector (4·(m + n) bytes instead of 8·m·n),
+  vectors keep a full second moment (4 bytes per entry). ``relative_step`` and ``scale_parameter``
+  are off, so ``train.lr`` and the schedule mean what they mean for AdamW.
 
 The schedule is a pure function of the optimizer step (:func:`lr_at`), so a resumed run
 needs nothing but the step to continue on the same curve; the ``LambdaLR`` wrapper exists
@@ -30,11 +40,36 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW over :func:`param_groups` (fp32 master weights: the model itself stays fp32)."""
-    return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps
-    )
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """``train.optimizer`` over :func:`param_groups` (trainable parameters only: with LoRA, the adapters).
+
+    The trainable parameters are fp32 (master weights), so every state is fp32 too.
+    """
+    groups = param_groups(model, cfg.weight_decay)
+    if cfg.optimizer == "sgd_momentum":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+    if cfg.optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(
+            groups, lr=cfg.lr, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8, beta1=None,
+            scale_parameter=False, relative_step=False, warmup_init=False,
+        )  # fmt: skip
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+
+
+def optimizer_state_bytes(shape: tuple[int, ...], optimizer: str) -> int:
+    """Bytes of fp32 optimizer state one parameter of ``shape`` costs (see the module docstring)."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    if optimizer == "sgd_momentum":
+        return 4 * numel
+    if optimizer == "adafactor":
+        if len(shape) >= 2:
+            return 4 * (numel // shape[-1] + numel // shape[-2])
+        return 4 * numel
+    return 8 * numel
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

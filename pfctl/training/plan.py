@@ -94,6 +94,7 @@ class PlanReport:
     steps: int
     rows: list[dict[str, Any]]
     notes: list[str] = field(default_factory=list)
+    memory: Any = None  # pfctl.training.memory.MemoryEstimate of the worst-case forward
 
     def group_totals(self) -> dict[tuple[int, int], dict[str, int]]:
         totals: dict[tuple[int, int], dict[str, int]] = {}
@@ -127,6 +128,9 @@ class PlanReport:
                 f"  step {step} group {group}: {entry['tokens']} tokens over {entry['ranks']} rank-forwards"
             )
         lines.extend(self.notes)
+        if self.memory is not None:
+            lines.append("")
+            lines.append(self.memory.render())
         return "\n".join(lines)
 
 
@@ -214,7 +218,55 @@ def dry_run(config: Any, *, world_size: int | None = None, steps: int | None = N
     if bad:
         notes.append(f"clips that fail to load (replaced in the run): {', '.join(bad)}")
     report.notes = notes
+    report.memory = estimate_for_run(config, cache, clips)
     return report
+
+
+def estimate_for_run(config: Any, cache: Any, clips: list[ClipInfo]) -> Any:
+    """The memory estimate of the run's worst-case forward (largest bucket, all units).
+
+    Builds the DiT on the meta device (no weights), which also validates ``train.lora.targets``.
+    """
+    from pfctl.models.lora import resolve_targets
+    from pfctl.runtime.accelerator import resolve_mixed_precision
+    from pfctl.training.memory import Workload, estimate_memory, meta_dit
+    from pfctl.training.trainer import check_lora_runtime
+
+    train, runtime = config.train, config.runtime
+    device = "cpu" if runtime.device == "cpu" else "cuda"
+    precision = resolve_mixed_precision(runtime.mixed_precision, device)
+    model = meta_dit(config)
+    targets = resolve_targets(model, train.lora.targets) if train.lora.enabled else None
+    if train.lora.enabled:
+        check_lora_runtime(train, precision)
+    frames, height, width = max(
+        ((min(c.num_latent_frames, train.max_units), c.height, c.width) for c in clips),
+        key=lambda b: b[0] * b[1] * b[2],
+        default=(1, 8, 8),
+    )
+    stages = columns_to_stages(train.sample_ratios)
+    per_column = train.batch_size // len(stages)
+    units = frames if train.use_temporal_pyramid else None
+    columns = tuple((per_column, column_tokens(s, units, frames, height, width)) for s in stages)
+    text_len = 128  # T5's length in the released models, if no clip can be read
+    for cid in cache.ids()[:8]:  # a broken clip is the plan's business (it gets replaced), not ours
+        try:
+            text_len = int(cache.load(cid)["prompt_embeds"].shape[-2])
+            break
+        except Exception:
+            continue
+    estimate = estimate_memory(
+        model, Workload(columns, text_len), lora_targets=targets, lora_rank=train.lora.rank,
+        base_dtype=train.base_dtype, compute_dtype="bf16" if precision == "bf16" else "fp32",
+        optimizer=train.optimizer, ema=train.ema_decay is not None,
+        gradient_checkpointing=train.gradient_checkpointing, checkpointing_ratio=train.gradient_checkpointing_ratio,
+    )  # fmt: skip
+    estimate.notes.append(
+        f"worst-case forward: bucket {frames}x{height}x{width} latents, {len(stages)} columns of {per_column}, "
+        f"text length {text_len}; compute {'fp32' if precision == 'no' else precision} on {device}"
+        + ("" if runtime.device != "auto" else " (runtime.device auto: assumed a GPU)")
+    )
+    return estimate
 
 
 def check_model_spec(config: Any) -> str:

@@ -18,7 +18,6 @@ Randomness, by owner (what makes a resumed run bit-identical and a sync group co
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import math
 import time
@@ -31,7 +30,7 @@ import torch
 
 from pfctl.config.train import TrainConfig, check_train_constraints, columns_to_stages
 from pfctl.data.dataset import ClipInfo, LatentClipLoader, SyncGroupSampler, TrainBatch, group_rng, unbatch
-from pfctl.errors import CheckpointError, ConfigError
+from pfctl.errors import CheckFailed, CheckpointError, ConfigError
 from pfctl.flow.loss import flow_matching_loss
 from pfctl.flow.pyramid import (
     RandomSource,
@@ -41,6 +40,7 @@ from pfctl.flow.pyramid import (
     pyramid_latents,
 )
 from pfctl.flow.scheduler import PyramidFlowScheduler
+from pfctl.runtime import faults
 from pfctl.runtime import logging as pflog
 from pfctl.training import checkpoint as ckpt
 from pfctl.training.ema import EMA
@@ -78,6 +78,9 @@ class Trainer:
         self.tokens_seen = 0
         self.losses: list[float] = []
         self.saved: list[str] = []
+        self.lora_targets: list[str] | None = None  # adapted module names of a LoRA run
+        self.model_info: dict[str, Any] = {}
+        self.loaded: ckpt.LoadedCheckpoint | None = None
 
     # ------------------------------------------------------------------------------------------
     # the loop
@@ -132,13 +135,19 @@ class Trainer:
         stages = sorted(set(columns_to_stages(cfg.sample_ratios)))
         # [loss, loss per stage..., tokens, samples], summed over micro-batches then over ranks
         stats = torch.zeros(len(stages) + 3, dtype=torch.float64, device=self.runtime.device)
+        faults.fault("train_step", rank=self.runtime.rank, step=self.step + 1)  # test hook
+        step_ids, local_bad = [], False  # for the message when the loss is not finite
         for micro in range(cfg.grad_accum):
             batch = self.loader.next_batch(self.micro_step)
+            if faults.poisoned("train_nan", rank=self.runtime.rank, step=self.step + 1):  # test hook
+                batch.latents = torch.full_like(batch.latents, float("nan"))
+            step_ids.extend(batch.ids)
             last = micro == cfg.grad_accum - 1
             with contextlib.nullcontext() if last else acc.no_sync(self.model):
                 loss, per_stage, record = self.forward(batch)
                 acc.backward(loss / cfg.grad_accum)
             stats[0] += loss.detach().double() / cfg.grad_accum
+            local_bad = local_bad or not bool(torch.isfinite(loss.detach()))
             for i, stage in enumerate(stages):
                 stats[1 + i] += per_stage[stage].double() / cfg.grad_accum
             stats[-2:] += torch.tensor(
@@ -155,12 +164,17 @@ class Trainer:
         grad_norm = float(acc.clip_grad_norm_(self.model.parameters(), max_norm))
         skipped = None
         if not (math.isfinite(mean_loss) and math.isfinite(grad_norm)):
+            what = f"non-finite loss {mean_loss} / grad norm {grad_norm} at step {self.step + 1}"
+            if local_bad:  # the rank(s) whose own loss is NaN name their clips
+                where = f" on rank {self.runtime.rank}" if world > 1 else ""
+                pflog.log(f"{what}{where}: clips {step_ids}", all_ranks=True)
             if cfg.nan_policy == "stop":
-                pflog.warn(
-                    f"non-finite loss {mean_loss} / grad norm {grad_norm} at step {self.step + 1}: stopping"
-                )
                 self.optimizer.zero_grad(set_to_none=True)
-                return None
+                raise CheckFailed(
+                    f"{what} (train.nan_policy=stop); clips of this step on rank {self.runtime.rank}: {step_ids}",
+                    hint="the last checkpoint is intact; inspect those clips, or set train.nan_policy=skip "
+                    "to skip such steps, then resume with --resume latest",
+                )
             skipped = "non-finite"
         elif cfg.skip_loss_above is not None and mean_loss >= cfg.skip_loss_above:
             skipped = f"loss {mean_loss:.4f} >= skip_loss_above {cfg.skip_loss_above}"
@@ -174,7 +188,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         if self.ema is not None and self.ema.should_update(self.step):
-            self.ema.update(self.unwrapped.state_dict())
+            self.ema.update(self.trained_state())
 
         tokens, samples = float(stats[-2]), float(stats[-1])
         self.tokens_seen += int(tokens)
@@ -268,14 +282,22 @@ class Trainer:
             caption_dropout=cfg.caption_dropout,
             agree=self.agree_on_failures,
         )
-        # 4. model: fp32 master weights (bf16 only inside autocast), checkpointing, resume weights
-        self.model_name, model, self.base_model_path = build_model(self.config)
+        # 4. model: fp32 master weights (bf16 only inside autocast), LoRA adapters (the rest frozen,
+        #    optionally stored in bf16), checkpointing, resume weights. Only the DiT is loaded:
+        #    the cache holds the text embeddings and latents, so no text encoder and no VAE exist here.
+        self.model_name, model, self.base_model_path, self.model_info = build_model(self.config)
         check_cache_matches_model(self.cache, model)
+        self.lora_targets = setup_lora(model, cfg, rt) if cfg.lora.enabled else None
         self.resume_from = ckpt.resolve_resume(cfg.resume, self.out / "checkpoints")
         self.loaded = ckpt.load_checkpoint(self.resume_from, rank=rt.rank) if self.resume_from else None
         if self.loaded is not None:
             self.check_resumable(self.loaded.train_state)
-            model.load_state_dict(self.loaded.model_state, strict=True)
+            if self.lora_targets is not None:
+                from pfctl.models.lora import load_lora_state
+
+                load_lora_state(model, self.loaded.model_state, source=self.resume_from / "model")
+            else:
+                model.load_state_dict(self.loaded.model_state, strict=True)
         self.flow = PyramidFlowScheduler()
         self.model = rt.accelerator.prepare(model)
         self.unwrapped = rt.accelerator.unwrap_model(self.model)
@@ -283,7 +305,7 @@ class Trainer:
         self.optimizer = rt.accelerator.prepare(build_optimizer(self.model, cfg))
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
         # 6. EMA (fp32 shadow) and the per-rank noise generator
-        self.ema = EMA(self.unwrapped.state_dict(), cfg.ema_decay, cfg.ema_every) if cfg.ema_decay else None
+        self.ema = EMA(self.trained_state(), cfg.ema_decay, cfg.ema_every) if cfg.ema_decay else None
         noise_seed = int(group_rng(rt.seed, _NOISE, rt.rank).integers(2**62))
         self.noise = torch.Generator(device=rt.device).manual_seed(noise_seed)
         # 7. logs: resolved config, trackers, assignment files
@@ -322,9 +344,37 @@ class Trainer:
         self.loaded = None  # free the tensors
         return loaded.path
 
+    def trained_state(self) -> dict[str, torch.Tensor]:
+        """What the run trains (and checkpoints, and averages): the adapter with LoRA, else the DiT."""
+        if self.lora_targets is not None:
+            from pfctl.models.lora import lora_state_dict
+
+            return lora_state_dict(self.unwrapped)
+        if self.cfg.fsdp != "none":
+            # state_dict() on the unwrapped module would lazily initialise the inner FSDP blocks as
+            # roots and break the next forward; gather through the root instead (collective: every
+            # rank calls this at the same point; the full state lands on the main process, {} elsewhere).
+            return self.runtime.accelerator.get_state_dict(self.model)
+        return self.unwrapped.state_dict()
+
+    def lora_signature(self) -> dict[str, Any] | None:
+        """The adapter's shape-defining options (a resume must match them)."""
+        if self.lora_targets is None:
+            return None
+        lora = self.cfg.lora
+        return {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "modules": len(self.lora_targets),
+                "targets_fingerprint": _fingerprint(self.lora_targets), "base_dtype": self.cfg.base_dtype,
+                "optimizer": self.cfg.optimizer}  # fmt: skip
+
     def check_resumable(self, state: dict[str, Any]) -> None:
         """A bit-exact continuation needs the same layout; say which number differs."""
         cfg, rt = self.cfg, self.runtime
+        if bool(self.loaded is not None and self.loaded.is_lora) != (self.lora_targets is not None):
+            kind = "a LoRA adapter" if self.loaded is not None and self.loaded.is_lora else "full DiT weights"
+            raise CheckpointError(
+                f"cannot resume {self.resume_from}: it holds {kind} but train.lora.enabled is {cfg.lora.enabled}",
+                hint="resume with the train.lora settings the checkpoint was written with",
+            )
         now = {
             "world_size": rt.world_size,
             "video_sync_group": cfg.video_sync_group,
@@ -332,6 +382,9 @@ class Trainer:
             "grad_accum": cfg.grad_accum,
             "seed": rt.seed,
         }
+        if self.lora_targets is not None:
+            now["lora"] = self.lora_signature()
+            now["base_fingerprint"] = self.model_info.get("base_fingerprint")
         diff = {k: (state.get(k), v) for k, v in now.items() if state.get(k) != v}
         if diff:
             text = ", ".join(f"{k} was {a}, now {b}" for k, (a, b) in diff.items())
@@ -384,7 +437,7 @@ class Trainer:
             files.append(self.out / "metrics.jsonl")
         for path in files:
             if path.is_file():
-                keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+                keep = [ln for ln in path.read_text().splitlines() if _log_step(ln) <= step]
                 atomic_write_text(path, "".join(ln + "\n" for ln in keep))
 
     def log_metrics(self, metrics: dict[str, Any], console: bool = True) -> None:
@@ -404,7 +457,10 @@ class Trainer:
     def save_checkpoint(self) -> None:
         rt, cfg = self.runtime, self.cfg
         rng_tensors, rng_meta = ckpt.rng_state(self.noise)
-        model_state = rt.accelerator.get_state_dict(self.model)  # full state dict (FSDP: gathered)
+        if self.lora_targets is not None:
+            model_state = self.trained_state()
+        else:
+            model_state = rt.accelerator.get_state_dict(self.model)  # full state dict (FSDP: gathered)
         payload = ckpt.CheckpointPayload(
             step=self.step,
             train_state={
@@ -416,6 +472,14 @@ class Trainer:
                 "seed": rt.seed,
                 "model_name": self.model_name,
                 "losses_tail": self.losses[-10:],
+                **(
+                    {
+                        "lora": self.lora_signature(),
+                        "base_fingerprint": self.model_info.get("base_fingerprint"),
+                    }
+                    if self.lora_targets is not None
+                    else {}
+                ),
             },
             rank_state={"micro_step": self.micro_step, "sampler": self.sampler.state_dict(), "rng": rng_meta},
             rank_tensors=rng_tensors,
@@ -424,6 +488,7 @@ class Trainer:
             ema_state=self.ema.state_dict() if self.ema is not None else None,
             optimizer_state=optimizer_state(self),
             scheduler_state=self.lr_scheduler.state_dict(),
+            adapter_config=self.adapter_config() if self.lora_targets is not None else None,
         )
         path = ckpt.save_checkpoint(
             self.out / "checkpoints", payload, rank=rt.rank, is_main=rt.is_main, barrier=rt.barrier,
@@ -432,28 +497,85 @@ class Trainer:
         self.saved.append(str(path))
         pflog.log(f"saved checkpoint {path}")
 
+    def adapter_config(self) -> dict[str, Any]:
+        from pfctl.models.lora import adapter_config_dict
+
+        lora = self.cfg.lora
+        return adapter_config_dict(lora.rank, lora.alpha, lora.dropout, self.lora_targets, self.lora_base())
+
+    def lora_base(self) -> str | None:
+        """The model folder a LoRA run adapted (what ``generate --lora`` loads under it)."""
+        path = self.config.model.path
+        return str(Path(path).expanduser().resolve()) if path is not None else None
+
+    def export_lora(self, out: Path) -> None:
+        """A LoRA run exports the adapter folder (+ marker naming the base model), not a DiT."""
+        from pfctl.config import dump_config
+        from pfctl.models.checkpoint import _config_dict
+        from pfctl.models.lora import save_lora_folder
+
+        m, lora = self.config.model, self.cfg.lora
+        marker = {
+            "base_model_path": self.lora_base(),
+            "variant": m.variant if m.path is not None else None,
+            "dit_preset": m.dit_preset,
+            "model_name": self.model_name,
+            "dit_class": type(self.unwrapped).__name__,
+            "dit_config": {k: v for k, v in _config_dict(self.unwrapped).items() if k != "_class_name"},
+            "base_dit_fingerprint": self.model_info.get("dit_fingerprint"),
+            "base_fingerprint": self.model_info.get("base_fingerprint"),
+            "rank": lora.rank,
+            "alpha": lora.alpha,
+            "dropout": lora.dropout,
+            "targets": lora.targets,
+            "target_modules": list(self.lora_targets or []),
+            "base_dtype": self.cfg.base_dtype,
+            "steps": self.step,
+            "extra": {"cache": cache_path(self.config), **cache_vae_info(self.cache)},
+        }
+        save_lora_folder(
+            out,
+            self.trained_state(),
+            self.adapter_config(),
+            marker=marker,
+            config_yaml=dump_config(self.config),
+            ema_state=self.ema.state_dict() if self.ema is not None else None,
+        )
+
     def export(self) -> Path | None:
-        """``output_dir/export``: a model folder ``pfctl generate --model`` loads (main process)."""
+        """``output_dir/export``: a model folder ``pfctl generate --model`` loads (main process);
+        for a LoRA run the adapter folder ``pfctl generate --lora`` loads."""
         from pfctl.config import dump_config
         from pfctl.models.checkpoint import save_export
 
         out = self.out / "export"
-        if self.runtime.is_main:
-            ema_dit = None
-            if self.ema is not None:
-                ema_dit = copy.deepcopy(self.unwrapped)
-                ema_dit.load_state_dict(self.ema.state_dict())
-            save_export(
-                out,
-                self.unwrapped,
-                base_model_path=self.base_model_path,
-                ema_dit=ema_dit,
-                config_yaml=dump_config(self.config),
-                extra={"steps": self.step, "cache": cache_path(self.config), **cache_vae_info(self.cache)},
-            )
-            pflog.log(f"exported the model to {out}")
+        if self.runtime.is_main and self.lora_targets is not None:
+            self.export_lora(out)
+            pflog.log(f"exported the LoRA adapter to {out}")
+        elif self.lora_targets is None:
+            state = self.trained_state()  # collective under FSDP: every rank gathers
+            if self.runtime.is_main:
+                save_export(
+                    out,
+                    self.plain_dit(state),
+                    base_model_path=self.base_model_path,
+                    ema_dit=self.plain_dit(self.ema.state_dict()) if self.ema is not None else None,
+                    config_yaml=dump_config(self.config),
+                    extra={"steps": self.step, "cache": cache_path(self.config), **cache_vae_info(self.cache)},
+                )
+                pflog.log(f"exported the model to {out}")
         self.runtime.barrier()
         return out
+
+    def plain_dit(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """A plain single-device DiT of the trained architecture holding ``state``.
+
+        Exports are built from a state dict rather than from the training module, which under
+        FSDP is sharded and cannot be copied or saved directly.
+        """
+        model = type(self.unwrapped).from_config(self.unwrapped.config)
+        model.load_state_dict(state, strict=True)
+        return model
 
     @torch.no_grad()
     def heldout_loss(self) -> float:
@@ -548,6 +670,14 @@ class Trainer:
             self.runtime.accelerator.end_training()
 
 
+def _log_step(line: str) -> float:
+    """The step of a metrics/assignment log line; a line torn by a kill (or empty) sorts last (dropped)."""
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
 # ----------------------------------------------------------------------------------------------
 # helpers used by setup (plain functions: the dry-run shares them)
 # ----------------------------------------------------------------------------------------------
@@ -596,6 +726,13 @@ def build_fsdp_plugin(cfg: TrainConfig, model_name: str) -> Any:
     """
     if cfg.fsdp == "none":
         return None
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"train.fsdp={cfg.fsdp} needs CUDA devices (accelerate's FSDP does not run on the CPU)",
+            hint="use train.fsdp=none on the CPU",
+        )
     from accelerate import FullyShardedDataParallelPlugin
 
     from pfctl.models.checkpoint import MODEL_NAME_TO_CLASS, dit_class
@@ -627,15 +764,58 @@ def dit_overrides(config: Any) -> dict[str, Any]:
     }
 
 
-def build_model(config: Any) -> tuple[str, torch.nn.Module, str | None]:
-    """(model name, fp32 DiT, base model path). ``model.dit_preset`` = from scratch with a
-    registered architecture; ``model.path`` = fine-tune an official folder or a pfctl export."""
+def setup_lora(model: torch.nn.Module, cfg: TrainConfig, rt: Any) -> list[str]:
+    """Add the adapters (A initialised from a generator seeded by the run's seed, B = 0), freeze the
+    base, and store the frozen base in ``train.base_dtype``. Returns the adapted module names."""
+    from pfctl.models.lora import add_lora, cast_frozen
+
+    check_lora_runtime(cfg, rt.mixed_precision)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(group_rng(rt.seed, 501).integers(2**62)))
+        lora = cfg.lora
+        names = add_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets)
+    if cfg.base_dtype == "bf16":
+        cast_frozen(model, torch.bfloat16)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    pflog.log(
+        f"LoRA rank {lora.rank} (alpha {lora.alpha:g}) on {len(names)} layers: {trainable:,} trainable of "
+        f"{total:,} parameters; frozen base in {cfg.base_dtype}"
+    )
+    return names
+
+
+def check_lora_runtime(cfg: TrainConfig, mixed_precision: str) -> None:
+    """bf16 base weights compute only under bf16 autocast (fp32 activations x bf16 weights fail)."""
+    if cfg.base_dtype == "bf16" and mixed_precision != "bf16":
+        raise ConfigError(
+            f"train.base_dtype=bf16 needs bf16 autocast, but the run's mixed precision is {mixed_precision!r}",
+            hint="--set runtime.mixed_precision=bf16 (the CUDA default), or train.base_dtype=fp32",
+        )
+
+
+def _fingerprint(obj: Any) -> str:
+    from pfctl.utils.io import fingerprint
+
+    return fingerprint(obj)
+
+
+def build_model(config: Any) -> tuple[str, torch.nn.Module, str | None, dict[str, Any]]:
+    """(model name, fp32 DiT, base model path, info). ``model.dit_preset`` = from scratch with a
+    registered architecture; ``model.path`` = fine-tune an official folder or a pfctl export.
+
+    ``info["base_fingerprint"]`` identifies the starting weights (a LoRA resume checks it: an
+    adapter continues bit-exactly only on the same base)."""
     m = config.model
     if m.dit_preset is not None:
         from pfctl.models.registry import build_dit
+        from pfctl.utils.io import tensor_fingerprint
 
         dit = build_dit(m.dit_preset, {**m.dit_config, **dit_overrides(config)})
-        return m.name, dit, None
+        info = {"dit_fingerprint": None}
+        if config.train.lora.enabled:  # hashing is cheap next to training; only LoRA resumes need it
+            info["base_fingerprint"] = tensor_fingerprint(dit.state_dict())
+        return m.name, dit, None, info
     if m.path is None:
         raise ConfigError(
             "train needs a model: set model.path (an official folder or a pfctl export to fine-tune) "
@@ -654,7 +834,13 @@ def build_model(config: Any) -> tuple[str, torch.nn.Module, str | None]:
         model_name=m.name,
     )
     base = parts.info.get("base_model_path") or (m.path if parts.info.get("layout") == "official" else None)
-    return parts.model_name or m.name, parts.dit, base
+    fps = parts.info.get("fingerprints") or {}
+    info = {
+        "dit_fingerprint": fps.get("dit"),
+        "base_fingerprint": fps.get("dit"),
+        "layout": parts.info.get("layout"),
+    }
+    return parts.model_name or m.name, parts.dit, base, info
 
 
 # -- the cache --------------------------------------------------------------------------------
