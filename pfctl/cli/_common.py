@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from collections.abc import Iterator, Mapping
@@ -10,7 +11,7 @@ from typing import Any
 
 import typer
 
-from pfctl.errors import EXIT_CHECK_FAILED, PfctlError
+from pfctl.errors import EXIT_CHECK_FAILED, EXIT_USAGE, PfctlError
 
 STATE = {"debug": os.environ.get("PFCTL_DEBUG", "") not in ("", "0")}
 
@@ -28,12 +29,14 @@ def command_errors() -> Iterator[None]:
     0 ok, 1 a check failed, 2 usage error / bad input. A traceback is shown only with
     ``--debug`` (or ``PFCTL_DEBUG=1``); unexpected errors exit 1 with a pointer to it.
     """
+    rank = os.environ.get("RANK")
+    where = f" on rank {rank}" if rank is not None and world_size_env() > 1 else ""
     try:
         yield
     except PfctlError as exc:
         if STATE["debug"]:
             raise
-        _stderr(f"error: {exc.message}")
+        _stderr(f"error{where}: {exc.message}")
         if exc.hint:
             _stderr(f"  hint: {exc.hint}")
         raise typer.Exit(exc.exit_code) from None
@@ -42,14 +45,71 @@ def command_errors() -> Iterator[None]:
         raise typer.Exit(130) from None
     except (typer.Exit, typer.Abort, SystemExit):
         raise
+    except OSError as exc:
+        if STATE["debug"]:
+            raise
+        if exc.errno not in _OS_ERRORS:
+            _internal(exc, where)
+        code, hint = _OS_ERRORS[exc.errno]
+        target = f": {exc.filename}" if exc.filename else ""
+        _stderr(f"error{where}: {exc.strerror or exc}{target}")
+        _stderr(f"  hint: {hint}")
+        raise typer.Exit(code) from None
     except Exception as exc:
         if STATE["debug"]:
             raise
-        rank = os.environ.get("RANK")
-        where = f" on rank {rank}" if rank is not None else ""
-        _stderr(f"internal error{where}: {type(exc).__name__}: {exc}")
-        _stderr("  hint: rerun with --debug (or PFCTL_DEBUG=1) for the traceback, and report it")
-        raise typer.Exit(EXIT_CHECK_FAILED) from None
+        if _is_collective_failure(exc):
+            _stderr(f"error{where}: a collective operation failed: {type(exc).__name__}: {str(exc)[:300]}")
+            _stderr(
+                "  hint: another process stopped or stalled (its own error above names the reason); "
+                "see runtime.collective_timeout_s"
+            )
+            raise typer.Exit(EXIT_CHECK_FAILED) from None
+        _internal(exc, where)
+
+
+_RESUME = "finished work is kept: rerun the same command to resume"
+_OS_ERRORS = {
+    errno.ENOSPC: (
+        EXIT_CHECK_FAILED,
+        f"the disk is full: free space (or choose another output folder); {_RESUME}",
+    ),
+    errno.EDQUOT: (EXIT_CHECK_FAILED, f"the disk quota is exceeded: free space; {_RESUME}"),
+    errno.EROFS: (EXIT_USAGE, "the file system is read-only: choose a writable output folder"),
+    errno.EACCES: (EXIT_USAGE, "permission denied: choose a folder you can write to, or fix its permissions"),
+    errno.EPERM: (EXIT_USAGE, "operation not permitted: choose a folder you can write to"),
+}
+"""Environment failures (not bugs): errno → (exit code, hint). Disk full is a failed run (1);
+an unwritable output folder is a bad input (2)."""
+
+
+def world_size_env() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def _is_collective_failure(exc: BaseException) -> bool:
+    """gloo / NCCL errors a surviving rank sees when a peer died or stalled."""
+    name = type(exc).__name__
+    text = str(exc)
+    return name in ("DistBackendError", "DistNetworkError", "DistError") or any(
+        key in text.lower()
+        for key in (
+            "gloo",
+            "nccl",
+            "connection closed by peer",
+            "connection reset by peer",
+            "timed out waiting",
+        )
+    )
+
+
+def _internal(exc: BaseException, where: str) -> None:
+    _stderr(f"internal error{where}: {type(exc).__name__}: {exc}")
+    _stderr("  hint: rerun with --debug (or PFCTL_DEBUG=1) for the traceback, and report it")
+    raise typer.Exit(EXIT_CHECK_FAILED) from None
 
 
 def resolve_config(recipe: str | None, overrides: list[str] | None, flags: Mapping[str, Any] | None = None):

@@ -50,6 +50,8 @@ def read_recipe(recipe: str) -> dict[str, Any]:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise ConfigError(f"recipe {path} is not valid YAML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"recipe {path} is not UTF-8 text (byte {exc.start}): is it a YAML file?") from None
     except OSError as exc:
         raise ConfigError(f"cannot read recipe {path}: {exc.strerror}") from None
     if data is None:

@@ -47,7 +47,7 @@ class Item:
 
 def load_annotations(path: str | Path) -> list[Item]:
     """Read and validate an annotation file or folder. Raises :class:`InputError`."""
-    path = Path(path).expanduser()
+    path = _expand(path, "annotations")
     if not path.exists():
         raise InputError(
             f"annotation file {path} does not exist",
@@ -129,7 +129,9 @@ def _make_item(row: dict[str, Any], base: Path, line: int, where: str) -> Item:
         raise InputError(f"{where}: 'text' must be a string, got {type(text).__name__}")
     raw_id = row.get("id")
     item_id = derive_id(media) if raw_id in (None, "") else str(raw_id)
-    media_path = Path(media).expanduser()
+    for key, value in (("text", text), ("id", item_id), (kind, media)):
+        _check_utf8(value, key, where)
+    media_path = _expand(media, where)
     if not media_path.is_absolute():
         media_path = base / media_path
     return Item(
@@ -142,6 +144,25 @@ def _make_item(row: dict[str, Any], base: Path, line: int, where: str) -> Item:
         frames=_parse_frames(row.get("frames"), where) if kind == "video" else None,
         fps=_parse_fps(row.get("fps"), where) if kind == "video" else None,
     )
+
+
+def _expand(path: str | Path, where: str) -> Path:
+    """``~`` / ``~user`` expansion; an unknown user is a bad input, not a crash."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError as exc:
+        raise InputError(f"{where}: cannot expand {str(path)!r}: {exc}", hint="write the full path") from None
+
+
+def _check_utf8(value: str, key: str, where: str) -> None:
+    """JSON can carry lone surrogates (``"\\ud800"``) that no file or safetensors header can hold."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(
+            f"{where}: '{key}' is not valid UTF-8 text ({exc.reason} at position {exc.start})",
+            hint="fix the escape sequence in the annotation (a lone \\uD800-\\uDFFF surrogate)",
+        ) from None
 
 
 def _read_jsonl(path: Path) -> list[Item]:

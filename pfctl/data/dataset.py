@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from pfctl.errors import CacheError
+from pfctl.runtime import faults
 
 # purposes, so the generators of one (seed, group, step) never share a stream
 _EPOCH, _BUCKET, _REPLACE, _DROPOUT, _POSTERIOR = 101, 102, 103, 104, 105
@@ -286,6 +287,7 @@ class LatentClipLoader:
 
     def _load(self, cid: str) -> dict[str, torch.Tensor] | None:
         try:
+            faults.fault("cache_load", clip=cid)  # test hook: a file that fails on one rank only
             return self.cache.load(cid)
         except Exception:  # a corrupt or missing file: replaced by the group's agreed choice
             return None

@@ -54,6 +54,7 @@ from pfctl.data.video import (
     to_model_input,
 )
 from pfctl.errors import CheckFailed, ConfigError, DistributedError, PfctlError
+from pfctl.runtime import faults
 from pfctl.runtime import logging as pflog
 from pfctl.utils.io import fingerprint as stable_hash
 
@@ -408,6 +409,17 @@ def _text_row(embeddings: Any) -> dict[str, torch.Tensor]:
     }
 
 
+def non_finite(tensors: dict[str, torch.Tensor]) -> str:
+    """'' when every float tensor is finite, else which ones hold NaN/inf and how many values."""
+    bad = []
+    for name, t in sorted(tensors.items()):
+        if t.is_floating_point():
+            count = int((~torch.isfinite(t)).sum())
+            if count:
+                bad.append(f"{name} has {count} of {t.numel()} values NaN/inf")
+    return "; ".join(bad)
+
+
 def _failure_row(item: Item, error: MediaError, rank: int, clip_id: str | None = None) -> dict[str, Any]:
     return {
         "id": clip_id or item.id,
@@ -497,6 +509,15 @@ class _Encoder:
                 failed += 1
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
+                continue
+            if faults.poisoned("encode_nan", clip=plan.clip_id):  # test hook
+                latents = {k: torch.full_like(v, float("nan")) for k, v in latents.items()}
+            bad = non_finite({**latents, **text})
+            if bad:  # a NaN clip would poison every training step that draws it
+                self.failures.append(
+                    _failure_row(item, MediaError("non_finite", bad), self.rank, plan.clip_id)
+                )
+                failed += 1
                 continue
             metadata = {
                 "item_id": item.id,

@@ -66,6 +66,7 @@ REASONS: dict[str, str] = {
     "resolution_too_large": "frame size exceeds encode.max_source_pixels",
     "decode_error": "the decoder failed for another reason",
     "encode_error": "the VAE or text encoder failed on this clip",
+    "non_finite": "the VAE or text encoder produced NaN/inf values for this clip (not written)",
 }
 """Every failure reason the summary and failures.jsonl can contain."""
 

@@ -13,7 +13,16 @@ _STATE: dict[str, Any] = {"is_main": True, "rank": 0, "format": "auto"}
 
 
 def configure(is_main: bool, rank: int = 0, log_format: str = "auto") -> None:
-    """Called once by the runtime: decides who prints and how."""
+    """Called once by the runtime (before it seeds): decides who prints and how.
+
+    Imports rich now: ``rich.style`` draws from python's global RNG at import time, and a first
+    import *after* a resume restored the RNG states would shift the stream (a resumed run's
+    checkpoints then differ from an uninterrupted run's).
+    """
+    import rich.console
+    import rich.progress
+    import rich.style  # noqa: F401
+
     _STATE.update(is_main=is_main, rank=rank, format=log_format)
 
 

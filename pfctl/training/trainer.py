@@ -561,7 +561,11 @@ class Trainer:
                     base_model_path=self.base_model_path,
                     ema_dit=self.plain_dit(self.ema.state_dict()) if self.ema is not None else None,
                     config_yaml=dump_config(self.config),
-                    extra={"steps": self.step, "cache": cache_path(self.config), **cache_vae_info(self.cache)},
+                    extra={
+                        "steps": self.step,
+                        "cache": cache_path(self.config),
+                        **cache_vae_info(self.cache),
+                    },
                 )
                 pflog.log(f"exported the model to {out}")
         self.runtime.barrier()

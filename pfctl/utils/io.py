@@ -13,6 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pfctl.runtime import faults
+
 if TYPE_CHECKING:
     import torch
 
@@ -25,18 +27,39 @@ def _atomic_target(path: str | os.PathLike[str]) -> tuple[Path, int, str]:
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically (temp file + fsync + rename)."""
-    target, fd, tmp = _atomic_target(path)
+    """Write ``data`` to ``path`` atomically (temp file + fsync + rename).
+
+    On any failure (disk full, read-only folder, a kill) the temp file is removed or left as a
+    ``.*.tmp`` that readers never open, and ``path`` keeps its old content. An ``OSError`` names
+    ``path`` (not the temp name) so the message says which file could not be written.
+    """
+    try:
+        target, fd, tmp = _atomic_target(path)
+    except OSError as exc:
+        raise _naming(exc, path) from None
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
+            view = memoryview(data)
+            half = len(view) // 2
+            fh.write(view[:half])
+            faults.fault("write", path=target.as_posix())  # test hook: e.g. disk full mid-write
+            fh.write(view[half:])
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise _naming(exc, target) from None
         raise
     return target
+
+
+def _naming(exc: OSError, path: str | os.PathLike[str]) -> OSError:
+    """The same error (errno kept) with ``filename`` = the file the caller asked to write."""
+    if exc.errno is None:
+        return exc
+    return type(exc)(exc.errno, exc.strerror or os.strerror(exc.errno), str(path))
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
