@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from pfctl.cli._common import command_errors, print_config, resolve_config
-from pfctl.cli.options import ModelOpt, OutputDirOpt, PrintConfigOpt, RecipeOpt, SetOpt
+from pfctl.cli.options import LORA_SCALE_HELP, ModelOpt, OutputDirOpt, PrintConfigOpt, RecipeOpt, SetOpt
 
 HELP = "Text-to-video and image-to-video with the pyramid sampler; writes mp4 + a JSON sidecar."
 EPILOG = (
@@ -69,7 +69,7 @@ LoraScaleOpt = Annotated[
     list[float] | None,
     typer.Option(
         "--lora-scale",
-        help="Scale of each --lora, in order (one value = every adapter; default 1).",
+        help=LORA_SCALE_HELP,
         show_default=False,
     ),
 ]

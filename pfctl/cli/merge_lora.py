@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from pfctl.cli._common import command_errors
+from pfctl.cli.options import LORA_SCALE_HELP
 
 HELP = "Merge LoRA adapters (each at a scale) into a base model; writes a full model folder (pfctl export)."
 EPILOG = (
@@ -31,7 +32,7 @@ ScaleOpt = Annotated[
     list[float] | None,
     typer.Option(
         "--scale",
-        help="Scale of each --lora, in order (one value = every adapter; default 1).",
+        help=LORA_SCALE_HELP,
         show_default=False,
     ),
 ]

@@ -40,3 +40,7 @@ ModelOpt = Annotated[
     ),
 ]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Validate and print the plan; do no work.")]
+
+LORA_SCALE_HELP = "Scale of each --lora, in order (one value = every adapter; default 1)."
+"""Help of the per-adapter scale option of ``generate`` (``--lora-scale``) and ``merge-lora`` (``--scale``):
+both are read by :func:`pfctl.cli.generate.lora_refs`, so they describe one rule."""

@@ -30,14 +30,12 @@ __all__ = [
     "build_full_sequence_batch",
     "build_temporal_pyramid_batch",
     "column_to_stage",
-    "denormalize_pyramid_latents",
     "downsample2",
     "endpoints_from_velocity",
     "flow_target",
     "history_clips",
     "history_layout",
     "interpolate",
-    "normalize_pyramid_latents",
     "plan_stage_lengths",
     "pyramid_latents",
     "pyramid_noise",
@@ -47,15 +45,6 @@ __all__ = [
 ]
 
 DEFAULT_SAMPLE_RATIOS: tuple[int, ...] = (1, 2, 1)
-
-# Latent normalisation of the released Pyramid Flow (miniFLUX) checkpoints: z' = (z - shift) * scale,
-# image factors for latent frame 0 (the causal VAE encodes it alone), video factors for the others.
-FLUX_IMAGE_SHIFT = -0.04
-FLUX_IMAGE_SCALE = 1 / 1.8726
-SD3_IMAGE_SHIFT = 0.1490
-SD3_IMAGE_SCALE = 1 / 1.8415
-VIDEO_SHIFT = -0.2343
-VIDEO_SCALE = 1 / 3.0986
 
 
 # --------------------------------------------------------------------------- resampling
@@ -97,42 +86,6 @@ def pyramid_noise(noise: torch.Tensor, num_stages: int = 3) -> list[torch.Tensor
     for _ in range(num_stages - 1):
         levels.append(downsample2(levels[-1]) * 2)
     return levels[::-1]
-
-
-# ---------------------------------------------------------------------- normalisation
-def normalize_pyramid_latents(
-    z: torch.Tensor,
-    *,
-    image_shift: float = FLUX_IMAGE_SHIFT,
-    image_scale: float = FLUX_IMAGE_SCALE,
-    video_shift: float = VIDEO_SHIFT,
-    video_scale: float = VIDEO_SCALE,
-) -> torch.Tensor:
-    """``(z - shift) * scale`` per latent frame: frame 0 with image factors, later frames with
-    video factors (defaults: the miniFLUX release). Returns a new tensor (the reference edits its
-    input in place; pfctl never does). The VAE adapter's ``normalize`` is the preferred entry point
-    for commands; this is the pure formula the adapter and the parity tests share."""
-    out = torch.empty_like(z)
-    out[:, :, :1] = (z[:, :, :1] - image_shift) * image_scale
-    if z.shape[2] > 1:
-        out[:, :, 1:] = (z[:, :, 1:] - video_shift) * video_scale
-    return out
-
-
-def denormalize_pyramid_latents(
-    z: torch.Tensor,
-    *,
-    image_shift: float = FLUX_IMAGE_SHIFT,
-    image_scale: float = FLUX_IMAGE_SCALE,
-    video_shift: float = VIDEO_SHIFT,
-    video_scale: float = VIDEO_SCALE,
-) -> torch.Tensor:
-    """Inverse of :func:`normalize_pyramid_latents` (``z / scale + shift``, as the reference decode)."""
-    out = torch.empty_like(z)
-    out[:, :, :1] = z[:, :, :1] / image_scale + image_shift
-    if z.shape[2] > 1:
-        out[:, :, 1:] = z[:, :, 1:] / video_scale + video_shift
-    return out
 
 
 # ------------------------------------------------------------------------ randomness
@@ -411,6 +364,55 @@ def _interleave(timesteps: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.unsqueeze(-1) for t in timesteps], dim=-1).reshape(-1)
 
 
+class _ColumnBatch:
+    """The skeleton both training-noise builders share, so their RNG order and packing cannot drift apart:
+    checks, one full-resolution ``randn`` for every stage's noise, then per column one ``rand(Bc)`` for the
+    timestep (:meth:`point`), and the :class:`PyramidBatch` packing."""
+
+    def __init__(
+        self,
+        pyramid: Sequence[torch.Tensor],
+        scheduler: PyramidFlowScheduler,
+        sample_ratios: Sequence[int],
+        rng: RandomSource | torch.Generator | Iterable[torch.Tensor] | None,
+    ) -> None:
+        self.k_cols = _check_pyramid(pyramid, scheduler, sample_ratios)
+        self.rs = RandomSource.of(rng)
+        self.scheduler = scheduler
+        top = pyramid[-1]
+        self.dtype, self.device = top.dtype, top.device
+        self.bc = top.shape[0] // self.k_cols
+        self.noise_levels = pyramid_noise(self.rs.randn_like(top), scheduler.num_stages)
+        self.stages = column_to_stage(sample_ratios)
+        self.sample: list[list[torch.Tensor]] = []
+        self.targets: list[torch.Tensor] = []
+        self.ratios: list[torch.Tensor] = []
+        self.timesteps: list[torch.Tensor] = []
+
+    def point(self, stage: int, start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+        """Draw a column's timestep and return its noisy point; records its target, ratio and timestep."""
+        bc = self.bc
+        ts, r = _draw_ratio(self.scheduler, stage, self.rs.rand(bc, self.device), self.device)
+        r = r.reshape(bc, 1, 1, 1, 1)
+        # r is float64, so the interpolation is evaluated in float64 (as the reference) then cast.
+        noisy = interpolate(start, end, r).to(self.dtype)
+        self.targets.append(flow_target(start, end))
+        self.ratios.append(r.to(self.dtype))
+        self.timesteps.append(ts.to(self.dtype))
+        return noisy
+
+    def batch(self, units_per_stage: tuple[int, ...] | None = None) -> PyramidBatch:
+        return PyramidBatch(
+            sample=self.sample,
+            timesteps=_interleave(self.timesteps),
+            targets=self.targets,
+            ratios=self.ratios,
+            column_to_stage=self.stages,
+            timesteps_per_column=self.timesteps,
+            units_per_stage=units_per_stage,
+        )
+
+
 def build_temporal_pyramid_batch(
     pyramid: Sequence[torch.Tensor],
     scheduler: PyramidFlowScheduler,
@@ -435,54 +437,31 @@ def build_temporal_pyramid_batch(
     (corruption strength, drawn even without history), and one ``randn`` per history clip, newest
     first.
     """
-    k_cols = _check_pyramid(pyramid, scheduler, sample_ratios)
-    rs = RandomSource.of(rng)
-    top = pyramid[-1]
-    dtype, device = top.dtype, top.device
-    bc = top.shape[0] // k_cols
-    t = top.shape[2]
+    cols = _ColumnBatch(pyramid, scheduler, sample_ratios, rng)
+    k_cols, rs, bc = cols.k_cols, cols.rs, cols.bc
     fpu = int(frame_per_unit)
-    max_units = 1 + (t - 1) // fpu
+    max_units = 1 + (pyramid[-1].shape[2] - 1) // fpu
 
-    noise_levels = pyramid_noise(rs.randn_like(top), scheduler.num_stages)
-    stages = column_to_stage(sample_ratios)
-    sample, targets, ratios, timesteps = [], [], [], []
-    for col, s in enumerate(stages):
+    for col, s in enumerate(cols.stages):
         n_units = min(int(units_per_stage[s]), max_units)
         frames = 1 + (n_units - 1) * fpu
         cur = slice(frames - fpu, frames)  # the unit being trained
         clean = pyramid[s][col::k_cols]
         prev = None if s == 0 else pyramid[s - 1][col::k_cols][:, :, cur]
         start, end = stage_endpoints(
-            scheduler, s, clean[:, :, cur], noise_levels[s][col::k_cols][:, :, cur], prev
+            scheduler, s, clean[:, :, cur], cols.noise_levels[s][col::k_cols][:, :, cur], prev
         )
+        noisy = cols.point(s, start, end)
 
-        ts, r = _draw_ratio(scheduler, s, rs.rand(bc, device), device)
-        r = r.reshape(bc, 1, 1, 1, 1)
-        # r is float64, so the interpolation is evaluated in float64 (as the reference) then cast.
-        noisy = interpolate(start, end, r).to(dtype)
-        target = flow_target(start, end)
-
-        corrupt = (rs.rand(bc, device) * corrupt_ratio).reshape(bc, 1, 1, 1, 1)
+        corrupt = (rs.rand(bc, cols.device) * corrupt_ratio).reshape(bc, 1, 1, 1, 1)
         history = [level[col::k_cols][:, :, : frames - fpu] for level in pyramid]
         clips = []
         for k, sl in history_layout(s, n_units - 1, fpu):  # newest first = draw order
             h = history[k][:, :, sl]
-            clips.append((corrupt * rs.randn_like(h) + (1 - corrupt) * h).to(dtype))
-        sample.append([*clips[::-1], noisy])
-        targets.append(target)
-        ratios.append(r.to(dtype))
-        timesteps.append(ts.to(dtype))
+            clips.append((corrupt * rs.randn_like(h) + (1 - corrupt) * h).to(cols.dtype))
+        cols.sample.append([*clips[::-1], noisy])
 
-    return PyramidBatch(
-        sample=sample,
-        timesteps=_interleave(timesteps),
-        targets=targets,
-        ratios=ratios,
-        column_to_stage=stages,
-        timesteps_per_column=timesteps,
-        units_per_stage=tuple(int(u) for u in units_per_stage),
-    )
+    return cols.batch(units_per_stage=tuple(int(u) for u in units_per_stage))
 
 
 def build_full_sequence_batch(
@@ -500,35 +479,16 @@ def build_full_sequence_batch(
     ``draw_unused_corruption`` (reference RNG compatibility) — one more ``rand(Bc)`` that the
     reference draws and never uses.
     """
-    k_cols = _check_pyramid(pyramid, scheduler, sample_ratios)
-    rs = RandomSource.of(rng)
-    top = pyramid[-1]
-    dtype, device = top.dtype, top.device
-    bc = top.shape[0] // k_cols
-
-    noise_levels = pyramid_noise(rs.randn_like(top), scheduler.num_stages)
-    stages = column_to_stage(sample_ratios)
-    sample, targets, ratios, timesteps = [], [], [], []
-    for col, s in enumerate(stages):
+    cols = _ColumnBatch(pyramid, scheduler, sample_ratios, rng)
+    k_cols = cols.k_cols
+    for col, s in enumerate(cols.stages):
         prev = None if s == 0 else pyramid[s - 1][col::k_cols]
         start, end = stage_endpoints(
-            scheduler, s, pyramid[s][col::k_cols], noise_levels[s][col::k_cols], prev
+            scheduler, s, pyramid[s][col::k_cols], cols.noise_levels[s][col::k_cols], prev
         )
-        ts, r = _draw_ratio(scheduler, s, rs.rand(bc, device), device)
-        r = r.reshape(bc, 1, 1, 1, 1)
-        noisy = interpolate(start, end, r).to(dtype)
+        noisy = cols.point(s, start, end)
         if draw_unused_corruption:
-            rs.rand(bc, device)
-        sample.append([noisy])
-        targets.append(flow_target(start, end))
-        ratios.append(r.to(dtype))
-        timesteps.append(ts.to(dtype))
+            cols.rs.rand(cols.bc, cols.device)
+        cols.sample.append([noisy])
 
-    return PyramidBatch(
-        sample=sample,
-        timesteps=_interleave(timesteps),
-        targets=targets,
-        ratios=ratios,
-        column_to_stage=stages,
-        timesteps_per_column=timesteps,
-    )
+    return cols.batch()

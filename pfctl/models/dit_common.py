@@ -367,6 +367,32 @@ def check_text_rows(num_columns: int, batch: int, **rows: torch.Tensor) -> None:
             )
 
 
+def check_forward_inputs(
+    sample: object,
+    encoder_hidden_states: torch.Tensor,
+    encoder_attention_mask: torch.Tensor,
+    pooled_projections: torch.Tensor,
+    timestep_ratio: torch.Tensor,
+) -> list[list[torch.Tensor]]:
+    """All checks of the shared forward contract, run before any weight is touched so a wrong call fails with
+    a message naming the argument rather than a shape error deep inside a block. Returns the columns."""
+    columns = check_columns(sample)
+    check_text_rows(
+        len(columns),
+        columns[0][0].shape[0],
+        encoder_hidden_states=encoder_hidden_states,
+        encoder_attention_mask=encoder_attention_mask,
+        pooled_projections=pooled_projections,
+        timestep_ratio=timestep_ratio,
+    )
+    if encoder_attention_mask.shape[:2] != encoder_hidden_states.shape[:2]:
+        raise InputError(
+            f"encoder_attention_mask {tuple(encoder_attention_mask.shape)} does not match "
+            f"encoder_hidden_states {tuple(encoder_hidden_states.shape)}"
+        )
+    return columns
+
+
 def unpatchify(tokens: torch.Tensor, grid: tuple[int, int, int], patch: int) -> torch.Tensor:
     """``[B, t*h*w, p*p*C]`` tokens (feature order p1, p2, c) -> ``[B, C, t, h*p, w*p]``."""
     t, h, w = grid
@@ -374,6 +400,28 @@ def unpatchify(tokens: torch.Tensor, grid: tuple[int, int, int], patch: int) -> 
     x = tokens.reshape(b, t, h, w, patch, patch, -1)  # [B, t, h, w, p1, p2, C]
     x = x.permute(0, 6, 1, 2, 4, 3, 5)  # [B, C, t, h, p1, w, p2]
     return x.reshape(b, x.shape[1], t, h * patch, w * patch)
+
+
+def final_layer(
+    image: torch.Tensor,
+    temb: torch.Tensor,
+    layout: PyramidLayout,
+    grids: Sequence[Sequence[tuple[int, int, int]]],
+    patch: int,
+    norm_out: AdaLNContinuous,
+    proj_out: nn.Linear,
+) -> list[torch.Tensor]:
+    """Output head of both DiTs: per-column continuous AdaLN, projection, and unpatchify of the *last* clip of
+    each column (history clips are conditioning only). ``image [Bc, N, D]`` -> K x ``[Bc, C, t, h*p, w*p]``."""
+    scale, shift = (by_column(m, layout.num_columns) for m in norm_out(temb, image.dtype))  # [Bc, K, D]
+    image = modulate_columns(layer_norm(image), layout.image_lengths, shift, scale)
+    image = proj_out(image)  # [Bc, N, p*p*C]
+
+    outputs = []
+    for col_tokens, col_grids in zip(image.split(layout.image_lengths, dim=1), grids, strict=True):
+        t, h, w = col_grids[-1]
+        outputs.append(unpatchify(col_tokens[:, -t * h * w :], (t, h, w), patch))  # [Bc, C, t, h*p, w*p]
+    return outputs
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -580,6 +628,36 @@ class BlockCheckpointing:
                 return fn(block, *args)
             return torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)
         return block(*args)
+
+
+def init_reference_weights(
+    model: nn.Module, extra_zero: Sequence[nn.Linear] = (), patch_conv: nn.Conv2d | None = None
+) -> None:
+    """Reference init of both DiTs: xavier-uniform linears (and the patch conv as a flattened matrix),
+    N(0, 0.02) conditioning embedders, zero AdaLN and output layers so a fresh model predicts exactly 0.
+
+    Draws happen in the reference's order (linears, conv, embedders), so a seeded build is reproducible.
+    ``model`` has ``time_text_embed``, ``context_embedder``, ``norm_out``, ``proj_out`` and dual-stream
+    ``transformer_blocks``; ``extra_zero`` are further layers to zero (Flux: the single-stream AdaLNs).
+    """
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.xavier_uniform_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+    if patch_conv is not None:
+        nn.init.xavier_uniform_(patch_conv.weight.data.view(patch_conv.weight.shape[0], -1))
+        nn.init.zeros_(patch_conv.bias)
+    for mlp in (model.time_text_embed.timestep_embedder, model.time_text_embed.text_embedder):
+        nn.init.normal_(mlp.linear_1.weight, std=0.02)
+        nn.init.normal_(mlp.linear_2.weight, std=0.02)
+    nn.init.normal_(model.context_embedder.weight, std=0.02)
+    zero = [model.norm_out.linear, model.proj_out]
+    zero += [m for b in model.transformer_blocks for m in (b.norm1.linear, b.norm1_context.linear)]
+    zero += list(extra_zero)
+    for layer in zero:
+        nn.init.zeros_(layer.weight)
+        nn.init.zeros_(layer.bias)
 
 
 def note_flash_flag(model_name: str, use_flash_attn: bool) -> None:

@@ -39,17 +39,17 @@ from pfctl.models.dit_common import (
     apply_rope,
     build_column_masks,
     by_column,
-    check_columns,
+    check_forward_inputs,
     check_ratio,
-    check_text_rows,
     clip_frame_ids,
+    final_layer,
     gate_columns,
+    init_reference_weights,
     layer_norm,
     masked_attention,
     modulate_columns,
     note_flash_flag,
     rope_tables,
-    unpatchify,
     with_text_identity,
 )
 
@@ -205,23 +205,8 @@ class PyramidFluxTransformer(BlockCheckpointing, ModelMixin, ConfigMixin):
         self.initialize_weights()
 
     def initialize_weights(self) -> None:
-        """Reference init: xavier linears, N(0, 0.02) conditioning embedders, zero AdaLN and output layers
-        (so a fresh model predicts exactly 0)."""
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.xavier_uniform_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-        for mlp in (self.time_text_embed.timestep_embedder, self.time_text_embed.text_embedder):
-            nn.init.normal_(mlp.linear_1.weight, std=0.02)
-            nn.init.normal_(mlp.linear_2.weight, std=0.02)
-        nn.init.normal_(self.context_embedder.weight, std=0.02)
-        zero = [self.norm_out.linear, self.proj_out]
-        zero += [m for b in self.transformer_blocks for m in (b.norm1.linear, b.norm1_context.linear)]
-        zero += [b.norm.linear for b in self.single_transformer_blocks]
-        for layer in zero:
-            nn.init.zeros_(layer.weight)
-            nn.init.zeros_(layer.bias)
+        """Reference init (:func:`init_reference_weights`); the single-stream AdaLNs start at zero too."""
+        init_reference_weights(self, extra_zero=[b.norm.linear for b in self.single_transformer_blocks])
 
     def blocks_in_order(self) -> list[tuple[str, nn.Module]]:
         """All transformer blocks in execution order (the order gradient checkpointing counts in)."""
@@ -290,21 +275,10 @@ class PyramidFluxTransformer(BlockCheckpointing, ModelMixin, ConfigMixin):
         pooled_projections: torch.Tensor,
         timestep_ratio: torch.Tensor,
     ) -> list[torch.Tensor]:
-        columns = check_columns(sample)
-        num_cols, batch = len(columns), columns[0][0].shape[0]
-        check_text_rows(
-            num_cols,
-            batch,
-            encoder_hidden_states=encoder_hidden_states,
-            encoder_attention_mask=encoder_attention_mask,
-            pooled_projections=pooled_projections,
-            timestep_ratio=timestep_ratio,
+        columns = check_forward_inputs(
+            sample, encoder_hidden_states, encoder_attention_mask, pooled_projections, timestep_ratio
         )
-        if encoder_attention_mask.shape[:2] != encoder_hidden_states.shape[:2]:
-            raise InputError(
-                f"encoder_attention_mask {tuple(encoder_attention_mask.shape)} does not match "
-                f"encoder_hidden_states {tuple(encoder_hidden_states.shape)}"
-            )
+        num_cols, batch = len(columns), columns[0][0].shape[0]
 
         temb = self.time_text_embed(timestep_ratio, pooled_projections)  # [K*Bc, D]
         text = self.context_embedder(encoder_hidden_states)  # [K*Bc, L, D]
@@ -340,12 +314,5 @@ class PyramidFluxTransformer(BlockCheckpointing, ModelMixin, ConfigMixin):
         image = torch.cat(
             [p[:, layout.text_len :] for p in hidden.split(layout.joint_lengths, 1)], 1
         )  # [Bc, N, D]
-        scale, shift = (by_column(m, num_cols) for m in self.norm_out(temb, image.dtype))  # [Bc, K, D]
-        image = modulate_columns(layer_norm(image), layout.image_lengths, shift, scale)
-        image = self.proj_out(image)  # [Bc, N, 4C]
-
-        outputs = []
-        for col_tokens, col_grids in zip(image.split(layout.image_lengths, dim=1), grids, strict=True):
-            t, h, w = col_grids[-1]
-            outputs.append(unpatchify(col_tokens[:, -t * h * w :], (t, h, w), PATCH))  # [Bc, C, t, 2h, 2w]
-        return outputs
+        # K x [Bc, C, t, 2h, 2w]: the last clip of each column
+        return final_layer(image, temb, layout, grids, PATCH, self.norm_out, self.proj_out)

@@ -41,16 +41,13 @@ from pfctl.models.dit_common import (
     PyramidLayout,
     TimestepTextEmbedding,
     build_column_masks,
-    by_column,
-    check_columns,
+    check_forward_inputs,
     check_ratio,
-    check_text_rows,
     clip_frame_ids,
-    layer_norm,
-    modulate_columns,
+    final_layer,
+    init_reference_weights,
     note_flash_flag,
     rope_tables,
-    unpatchify,
 )
 
 QK_EPS = 1e-5
@@ -266,25 +263,8 @@ class PyramidDiffusionMMDiT(BlockCheckpointing, ModelMixin, ConfigMixin):
         self.initialize_weights()
 
     def initialize_weights(self) -> None:
-        """Reference init: xavier linears/patch conv (conv as a flattened matrix), N(0, 0.02) conditioning
-        embedders, zero AdaLN and output layers."""
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.xavier_uniform_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-        conv = self.pos_embed.proj
-        nn.init.xavier_uniform_(conv.weight.data.view(conv.weight.shape[0], -1))
-        nn.init.zeros_(conv.bias)
-        for mlp in (self.time_text_embed.timestep_embedder, self.time_text_embed.text_embedder):
-            nn.init.normal_(mlp.linear_1.weight, std=0.02)
-            nn.init.normal_(mlp.linear_2.weight, std=0.02)
-        nn.init.normal_(self.context_embedder.weight, std=0.02)
-        zero = [self.norm_out.linear, self.proj_out]
-        zero += [m for b in self.transformer_blocks for m in (b.norm1.linear, b.norm1_context.linear)]
-        for layer in zero:
-            nn.init.zeros_(layer.weight)
-            nn.init.zeros_(layer.bias)
+        """Reference init (:func:`init_reference_weights`), including the patch conv."""
+        init_reference_weights(self, patch_conv=self.pos_embed.proj)
 
     def blocks_in_order(self) -> list[tuple[str, nn.Module]]:
         """All transformer blocks in execution order (the order gradient checkpointing counts in)."""
@@ -331,21 +311,10 @@ class PyramidDiffusionMMDiT(BlockCheckpointing, ModelMixin, ConfigMixin):
         pooled_projections: torch.Tensor,
         timestep_ratio: torch.Tensor,
     ) -> list[torch.Tensor]:
-        columns = check_columns(sample)
-        num_cols, batch = len(columns), columns[0][0].shape[0]
-        check_text_rows(
-            num_cols,
-            batch,
-            encoder_hidden_states=encoder_hidden_states,
-            encoder_attention_mask=encoder_attention_mask,
-            pooled_projections=pooled_projections,
-            timestep_ratio=timestep_ratio,
+        columns = check_forward_inputs(
+            sample, encoder_hidden_states, encoder_attention_mask, pooled_projections, timestep_ratio
         )
-        if encoder_attention_mask.shape[:2] != encoder_hidden_states.shape[:2]:
-            raise InputError(
-                f"encoder_attention_mask {tuple(encoder_attention_mask.shape)} does not match "
-                f"encoder_hidden_states {tuple(encoder_hidden_states.shape)}"
-            )
+        batch = columns[0][0].shape[0]
         p = self.config.patch_size
 
         temb = self.time_text_embed(timestep_ratio, pooled_projections)  # [K*Bc, D]
@@ -358,12 +327,5 @@ class PyramidDiffusionMMDiT(BlockCheckpointing, ModelMixin, ConfigMixin):
         for i, block in enumerate(self.transformer_blocks):
             image, text = self._run_block(i, limit, block, image, text, temb, layout)
 
-        scale, shift = (by_column(m, num_cols) for m in self.norm_out(temb, image.dtype))  # [Bc, K, D]
-        image = modulate_columns(layer_norm(image), layout.image_lengths, shift, scale)
-        image = self.proj_out(image)  # [Bc, N, p*p*C]
-
-        outputs = []
-        for col_tokens, col_grids in zip(image.split(layout.image_lengths, dim=1), grids, strict=True):
-            t, h, w = col_grids[-1]
-            outputs.append(unpatchify(col_tokens[:, -t * h * w :], (t, h, w), p))  # [Bc, C, t, h*p, w*p]
-        return outputs
+        # K x [Bc, C, t, h*p, w*p]: the last clip of each column
+        return final_layer(image, temb, layout, grids, p, self.norm_out, self.proj_out)

@@ -49,6 +49,21 @@ _COMMON_FLUX = {
     "gradient_checkpointing_ratio": 0.6,
 }
 
+# what every MMDiT preset shares with the released one: positions, text masking, causality, checkpointing
+_COMMON_MMDIT = {
+    "max_num_frames": 200,
+    "qk_norm": "rms_norm",
+    "pos_embed_type": "sincos",
+    "temp_pos_embed_type": "rope",
+    "add_temp_pos_embed": True,
+    "use_t5_mask": True,
+    "use_flash_attn": False,
+    "use_temporal_causal": True,
+    "interp_condition_pos": True,
+    "use_gradient_checkpointing": False,
+    "gradient_checkpointing_ratio": 0.6,
+}
+
 PRESETS: dict[str, DiTPreset] = {
     p.name: p
     for p in (
@@ -111,17 +126,7 @@ PRESETS: dict[str, DiTPreset] = {
                 "joint_attention_dim": 4096,
                 "pooled_projection_dim": 2048,
                 "pos_embed_max_size": 192,
-                "max_num_frames": 200,
-                "qk_norm": "rms_norm",
-                "pos_embed_type": "sincos",
-                "temp_pos_embed_type": "rope",
-                "add_temp_pos_embed": True,
-                "use_t5_mask": True,
-                "use_flash_attn": False,
-                "use_temporal_causal": True,
-                "interp_condition_pos": True,
-                "use_gradient_checkpointing": False,
-                "gradient_checkpointing_ratio": 0.6,
+                **_COMMON_MMDIT,
             },
             "published SD3-style MMDiT (about 2B parameters; needs CLIP-L + CLIP-G + T5 text)",
         ),
@@ -139,17 +144,7 @@ PRESETS: dict[str, DiTPreset] = {
                 "joint_attention_dim": TINY_T5_DIM,
                 "pooled_projection_dim": 2 * TINY_CLIP_DIM,  # CLIP-L + CLIP-G pooled, concatenated
                 "pos_embed_max_size": 12,
-                "max_num_frames": 200,
-                "qk_norm": "rms_norm",
-                "pos_embed_type": "sincos",
-                "temp_pos_embed_type": "rope",
-                "add_temp_pos_embed": True,
-                "use_t5_mask": True,
-                "use_flash_attn": False,
-                "use_temporal_causal": True,
-                "interp_condition_pos": True,
-                "use_gradient_checkpointing": False,
-                "gradient_checkpointing_ratio": 0.6,
+                **_COMMON_MMDIT,
             },
             "small SD3-style MMDiT; pairs with the tiny SD3 text encoder",
         ),

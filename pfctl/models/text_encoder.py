@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -363,17 +363,60 @@ def _folder_fingerprint(root: Path, subfolders: Sequence[str], extra: dict[str, 
 # --------------------------------------------------------------------------------------------
 
 
+_Encoder = TypeVar("_Encoder", bound="_EncoderBase")
+
+
 @dataclass(eq=False, repr=False)
 class _EncoderBase:
-    """Shared plumbing: device/dtype moves, null-text cache, fingerprint, chunked encoding."""
+    """Shared plumbing of the CLIP(s) + T5 encoders: loading from the official folder layout, CLIP and T5
+    tokenisation, device/dtype moves, null-text cache, fingerprint, chunked encoding.
+
+    A subclass names its parts once: ``subfolders`` (which are also its dataclass fields, tokenizers and
+    models alternating) and ``part_classes`` (the transformers class of each, in the same order).
+    """
 
     max_sequence_length: int = T5_MAX_LENGTH
     source: Path | None = None
+    # keyword-only, so the subclasses' positional order (their parts) is unchanged
+    clip_max_length: int | None = field(default=None, kw_only=True)
     _null: TextEmbeddings | None = field(default=None, init=False, repr=False)
     _fingerprint: str | None = field(default=None, init=False, repr=False)
 
     name = "text-encoder"
-    subfolders = ()
+    description = "text encoder"
+    subfolders: ClassVar[tuple[str, ...]] = ()
+    part_classes: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self) -> None:
+        if any(getattr(self, part) is None for part in self.subfolders):
+            *rest, last = self.subfolders
+            raise ModelLoadError(f"{type(self).__name__} needs {', '.join(rest)} and {last}")
+        if self.clip_max_length is None:
+            # the reference pads every CLIP to the first CLIP tokenizer's length
+            self.clip_max_length = _clip_max_length(self.tokenizer, self.text_encoder)
+
+    @classmethod
+    def from_folder(
+        cls: type[_Encoder],
+        path: str | os.PathLike[str],
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        max_sequence_length: int = T5_MAX_LENGTH,
+    ) -> _Encoder:
+        """Load from a checkpoint folder holding the class's ``subfolders`` (official layout)."""
+        import transformers
+
+        root = Path(path)
+        _require_subfolders(root, cls.subfolders, cls.description)
+        parts = {}
+        for sub, class_name in zip(cls.subfolders, cls.part_classes, strict=True):
+            part_cls = getattr(transformers, class_name)
+            if sub.startswith("tokenizer"):
+                parts[sub] = _load_tokenizer(root / sub, part_cls)
+            else:
+                parts[sub] = _load_model(root / sub, part_cls, dtype, device)
+        return cls(max_sequence_length=max_sequence_length, source=root, **parts)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(source={str(self.source)!r}, max_sequence_length={self.max_sequence_length})"
@@ -443,8 +486,11 @@ class _EncoderBase:
     def fingerprint(self) -> str:
         """Hash of class, token lengths and the folder's configs/tokenizers/weights (cheap digest)."""
         if self._fingerprint is None:
-            extra = {"class": type(self).__name__, "max_sequence_length": self.max_sequence_length}
-            extra.update(self._fingerprint_extra())
+            extra = {
+                "class": type(self).__name__,
+                "max_sequence_length": self.max_sequence_length,
+                "clip_max_length": self.clip_max_length,
+            }
             if self.source is not None:
                 self._fingerprint = _folder_fingerprint(self.source, self.subfolders, extra)
             else:
@@ -456,8 +502,16 @@ class _EncoderBase:
                 self._fingerprint = fingerprint({**extra, "weights": tensor_fingerprint(states)})
         return self._fingerprint
 
-    def _fingerprint_extra(self) -> dict[str, Any]:
-        return {}
+    def _clip_input_ids(self, tokenizer: Any, model: torch.nn.Module, prompts: list[str]) -> torch.Tensor:
+        """CLIP token ids padded/truncated to ``clip_max_length`` (as the reference), on ``model``'s device."""
+        tok = tokenizer(
+            prompts,
+            padding="max_length",
+            max_length=self.clip_max_length,
+            truncation=True,
+            return_tensors="pt",
+        )
+        return tok.input_ids.to(_module_device(model))
 
     def _t5_embeds(self, tokenizer: Any, model: torch.nn.Module, prompts: list[str]):
         device = _module_device(model)
@@ -495,41 +549,11 @@ class FluxTextEncoder(_EncoderBase):
     text_encoder: torch.nn.Module | None = None
     tokenizer_2: Any = None
     text_encoder_2: torch.nn.Module | None = None
-    clip_max_length: int | None = None
 
     name = "flux-clip-t5"
+    description = "miniFLUX (CLIP-L + T5)"
     subfolders = FLUX_SUBFOLDERS
-
-    def __post_init__(self) -> None:
-        if None in (self.tokenizer, self.text_encoder, self.tokenizer_2, self.text_encoder_2):
-            raise ModelLoadError(
-                "FluxTextEncoder needs tokenizer, text_encoder, tokenizer_2 and text_encoder_2"
-            )
-        if self.clip_max_length is None:
-            self.clip_max_length = _clip_max_length(self.tokenizer, self.text_encoder)
-
-    @classmethod
-    def from_folder(
-        cls,
-        path: str | os.PathLike[str],
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        max_sequence_length: int = T5_MAX_LENGTH,
-    ) -> FluxTextEncoder:
-        """Load from a checkpoint folder holding ``tokenizer{,_2}/`` and ``text_encoder{,_2}/``."""
-        from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
-
-        root = Path(path)
-        _require_subfolders(root, FLUX_SUBFOLDERS, "miniFLUX (CLIP-L + T5)")
-        return cls(
-            max_sequence_length=max_sequence_length,
-            source=root,
-            tokenizer=_load_tokenizer(root / "tokenizer", CLIPTokenizer),
-            text_encoder=_load_model(root / "text_encoder", CLIPTextModel, dtype, device),
-            tokenizer_2=_load_tokenizer(root / "tokenizer_2", T5TokenizerFast),
-            text_encoder_2=_load_model(root / "text_encoder_2", T5EncoderModel, dtype, device),
-        )
+    part_classes = ("CLIPTokenizer", "CLIPTextModel", "T5TokenizerFast", "T5EncoderModel")
 
     def _modules(self) -> list[torch.nn.Module]:
         return [self.text_encoder, self.text_encoder_2]
@@ -542,19 +566,10 @@ class FluxTextEncoder(_EncoderBase):
     def pooled_dim(self) -> int:
         return int(self.text_encoder.config.hidden_size)
 
-    def _fingerprint_extra(self) -> dict[str, Any]:
-        return {"clip_max_length": self.clip_max_length}
-
     def _encode_batch(self, prompts: list[str]) -> TextEmbeddings:
         clip = self.text_encoder
-        tok = self.tokenizer(
-            prompts,
-            padding="max_length",
-            max_length=self.clip_max_length,
-            truncation=True,
-            return_tensors="pt",
-        )
-        pooled = clip(tok.input_ids.to(_module_device(clip))).pooler_output.to(dtype=_module_dtype(clip))
+        ids = self._clip_input_ids(self.tokenizer, clip, prompts)
+        pooled = clip(ids).pooler_output.to(dtype=_module_dtype(clip))
         embeds, mask = self._t5_embeds(self.tokenizer_2, self.text_encoder_2, prompts)
         return TextEmbeddings(embeds, mask, pooled.to(embeds.device))
 
@@ -569,49 +584,18 @@ class SD3TextEncoder(_EncoderBase):
     text_encoder_2: torch.nn.Module | None = None
     tokenizer_3: Any = None
     text_encoder_3: torch.nn.Module | None = None
-    clip_max_length: int | None = None
 
     name = "sd3-clip-l-g-t5"
+    description = "SD3 (CLIP-L + CLIP-G + T5)"
     subfolders = SD3_SUBFOLDERS
-
-    def __post_init__(self) -> None:
-        parts = (
-            self.tokenizer,
-            self.text_encoder,
-            self.tokenizer_2,
-            self.text_encoder_2,
-            self.tokenizer_3,
-            self.text_encoder_3,
-        )
-        if None in parts:
-            raise ModelLoadError("SD3TextEncoder needs tokenizer{,_2,_3} and text_encoder{,_2,_3}")
-        if self.clip_max_length is None:
-            # the reference pads both CLIPs to the first tokenizer's length
-            self.clip_max_length = _clip_max_length(self.tokenizer, self.text_encoder)
-
-    @classmethod
-    def from_folder(
-        cls,
-        path: str | os.PathLike[str],
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        max_sequence_length: int = T5_MAX_LENGTH,
-    ) -> SD3TextEncoder:
-        from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
-
-        root = Path(path)
-        _require_subfolders(root, SD3_SUBFOLDERS, "SD3 (CLIP-L + CLIP-G + T5)")
-        return cls(
-            max_sequence_length=max_sequence_length,
-            source=root,
-            tokenizer=_load_tokenizer(root / "tokenizer", CLIPTokenizer),
-            text_encoder=_load_model(root / "text_encoder", CLIPTextModelWithProjection, dtype, device),
-            tokenizer_2=_load_tokenizer(root / "tokenizer_2", CLIPTokenizer),
-            text_encoder_2=_load_model(root / "text_encoder_2", CLIPTextModelWithProjection, dtype, device),
-            tokenizer_3=_load_tokenizer(root / "tokenizer_3", T5TokenizerFast),
-            text_encoder_3=_load_model(root / "text_encoder_3", T5EncoderModel, dtype, device),
-        )
+    part_classes = (
+        "CLIPTokenizer",
+        "CLIPTextModelWithProjection",
+        "CLIPTokenizer",
+        "CLIPTextModelWithProjection",
+        "T5TokenizerFast",
+        "T5EncoderModel",
+    )
 
     def _modules(self) -> list[torch.nn.Module]:
         return [self.text_encoder, self.text_encoder_2, self.text_encoder_3]
@@ -624,18 +608,8 @@ class SD3TextEncoder(_EncoderBase):
     def pooled_dim(self) -> int:
         return int(self.text_encoder.config.projection_dim + self.text_encoder_2.config.projection_dim)
 
-    def _fingerprint_extra(self) -> dict[str, Any]:
-        return {"clip_max_length": self.clip_max_length}
-
     def _clip_pooled(self, tokenizer: Any, model: torch.nn.Module, prompts: list[str]) -> torch.Tensor:
-        tok = tokenizer(
-            prompts,
-            padding="max_length",
-            max_length=self.clip_max_length,
-            truncation=True,
-            return_tensors="pt",
-        )
-        return model(tok.input_ids.to(_module_device(model)))[0]  # projected text_embeds [B, proj]
+        return model(self._clip_input_ids(tokenizer, model, prompts))[0]  # projected text_embeds [B, proj]
 
     def _encode_batch(self, prompts: list[str]) -> TextEmbeddings:
         pooled_l = self._clip_pooled(self.tokenizer, self.text_encoder, prompts)

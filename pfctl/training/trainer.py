@@ -22,6 +22,7 @@ import json
 import math
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from pfctl.data.dataset import ClipInfo, LatentClipLoader, SyncGroupSampler, Tra
 from pfctl.errors import CheckFailed, CheckpointError, ConfigError
 from pfctl.flow.loss import flow_matching_loss
 from pfctl.flow.pyramid import (
+    PyramidBatch,
     RandomSource,
     build_full_sequence_batch,
     build_temporal_pyramid_batch,
@@ -210,9 +212,33 @@ class Trainer:
         cfg, device = self.cfg, self.runtime.device
         pyramid = pyramid_latents(batch.latents.to(device), num_stages=3)
         rng = RandomSource.of(self.noise)
+        units = None
         if cfg.use_temporal_pyramid:
             units = self.lengths.lengths(self.micro_step, self.runtime.rank, clip_units=batch.bucket[0])
-            inputs = build_temporal_pyramid_batch(
+        inputs = self._noise_inputs(pyramid, units, rng, draw_unused_corruption=False)
+        predictions = self._predict(
+            inputs,
+            batch.prompt_embeds.to(device),
+            batch.prompt_attention_mask.to(device),
+            batch.pooled_prompt_embeds.to(device),
+        )
+        result = flow_matching_loss(predictions, inputs.targets, inputs.column_to_stage)
+        record = self.assignment_record(batch, inputs)
+        return result.loss, result.per_stage, record
+
+    def _noise_inputs(
+        self,
+        pyramid: list[torch.Tensor],
+        units: Sequence[int] | None,
+        rng: RandomSource | torch.Generator,
+        *,
+        draw_unused_corruption: bool,
+    ) -> PyramidBatch:
+        """Noised DiT inputs in the configured mode: the temporal pyramid over ``units`` (required then),
+        or the full sequence at once."""
+        cfg = self.cfg
+        if cfg.use_temporal_pyramid:
+            return build_temporal_pyramid_batch(
                 pyramid,
                 self.flow,
                 units,
@@ -220,21 +246,30 @@ class Trainer:
                 corrupt_ratio=cfg.corrupt_ratio,
                 rng=rng,
             )
-        else:
-            inputs = build_full_sequence_batch(
-                pyramid, self.flow, sample_ratios=cfg.sample_ratios, rng=rng, draw_unused_corruption=False
-            )
+        return build_full_sequence_batch(
+            pyramid,
+            self.flow,
+            sample_ratios=cfg.sample_ratios,
+            rng=rng,
+            draw_unused_corruption=draw_unused_corruption,
+        )
+
+    def _predict(
+        self,
+        inputs: PyramidBatch,
+        prompt_embeds: torch.Tensor,
+        prompt_attention_mask: torch.Tensor,
+        pooled_prompt_embeds: torch.Tensor,
+    ) -> list[torch.Tensor]:
+        """The DiT on one noised batch under the runtime's autocast (text rows on the device already)."""
         with self.runtime.accelerator.autocast():
-            predictions = self.model(
+            return self.model(
                 sample=inputs.sample,
-                encoder_hidden_states=batch.prompt_embeds.to(device),
-                encoder_attention_mask=batch.prompt_attention_mask.to(device),
-                pooled_projections=batch.pooled_prompt_embeds.to(device),
+                encoder_hidden_states=prompt_embeds,
+                encoder_attention_mask=prompt_attention_mask,
+                pooled_projections=pooled_prompt_embeds,
                 timestep_ratio=inputs.timesteps,
             )
-        result = flow_matching_loss(predictions, inputs.targets, inputs.column_to_stage)
-        record = self.assignment_record(batch, inputs)
-        return result.loss, result.per_stage, record
 
     # ------------------------------------------------------------------------------------------
     # setup, in the order it happens
@@ -600,32 +635,20 @@ class Trainer:
                 int(group_rng(self.runtime.seed, 301, i).integers(2**62))
             )
             pyramid = pyramid_latents(latent.repeat(k, 1, 1, 1, 1).to(device), num_stages=3)
+            units = None
             if cfg.use_temporal_pyramid:
                 units = plan_stage_lengths(cfg.max_units, 1).lengths(i, 0, clip_units=frames)
-                inputs = build_temporal_pyramid_batch(
-                    pyramid,
-                    self.flow,
-                    units,
-                    sample_ratios=cfg.sample_ratios,
-                    corrupt_ratio=cfg.corrupt_ratio,
-                    rng=gen,
-                )
-            else:
-                inputs = build_full_sequence_batch(
-                    pyramid, self.flow, sample_ratios=cfg.sample_ratios, rng=gen
-                )
+            inputs = self._noise_inputs(pyramid, units, gen, draw_unused_corruption=True)
             text = {
                 key: unbatch(entry[key], nd).unsqueeze(0).repeat_interleave(k, 0).to(device)
                 for key, nd in _TEXT
             }
-            with self.runtime.accelerator.autocast():
-                predictions = self.model(
-                    sample=inputs.sample,
-                    encoder_hidden_states=text["prompt_embeds"].float(),
-                    encoder_attention_mask=text["prompt_attention_mask"].long(),
-                    pooled_projections=text["pooled_prompt_embeds"].float(),
-                    timestep_ratio=inputs.timesteps,
-                )
+            predictions = self._predict(
+                inputs,
+                text["prompt_embeds"].float(),
+                text["prompt_attention_mask"].long(),
+                text["pooled_prompt_embeds"].float(),
+            )
             losses.append(float(flow_matching_loss(predictions, inputs.targets).loss))
         self.model.train()
         return sum(losses) / max(len(losses), 1)

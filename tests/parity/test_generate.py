@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers.parity import reference_flux_dit, rel_error
 from pfctl.sampling.sampler import TextConditioning, generate_latents
 
 pytestmark = pytest.mark.parity
@@ -99,10 +100,6 @@ class ReplayDiT:
         return [self.t[f"dit_call.{c}.output"].clone()]
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
-
-
 @pytest.mark.parametrize("name", CASES)
 def test_generate_loop_replay(refdir, name):
     tensors, meta = _case(refdir, name)
@@ -130,27 +127,16 @@ def test_generate_loop_replay(refdir, name):
     assert dit.calls == meta["num_dit_calls"]
     assert dit.max_input_err <= 1e-5
     assert final.shape == tensors["final_latents"].shape
-    assert _rel(final, tensors["final_latents"]) <= 1e-6
-
-
-def _flux_dit(refdir):
-    try:
-        from pfctl.models.dit_flux import PyramidFluxTransformer
-    except ImportError as exc:  # written in parallel by another part of pfctl
-        pytest.skip(f"pfctl.models.dit_flux not importable yet: {exc}")
-    kwargs = json.loads((refdir / "flux_dit" / "constructor_kwargs.json").read_text())
-    dit = PyramidFluxTransformer(**kwargs)
-    dit.load_state_dict(load_file(refdir / "flux_dit" / "state_dict.safetensors"), strict=True)
-    return dit.eval()
+    assert rel_error(final, tensors["final_latents"], floor=1e-12) <= 1e-6
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_generate_with_flux_dit(refdir, name):
     tensors, meta = _case(refdir, name)
-    dit = _flux_dit(refdir)
+    dit = reference_flux_dit(refdir)
     final = generate_latents(dit, _text(tensors), **_kwargs(tensors, meta))
     assert final.shape == tensors["final_latents"].shape
-    rel = _rel(final, tensors["final_latents"])
+    rel = rel_error(final, tensors["final_latents"], floor=1e-12)
     assert rel <= 1e-4, f"{name}: rel error {rel:.3g}"
     if "image_latent" in tensors:
         assert torch.equal(final[:, :, :1], tensors["image_latent"])

@@ -14,15 +14,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers.parity import reference_flux_dit
 from pfctl.flow.loss import flow_matching_loss
 from pfctl.flow.pyramid import (
     build_full_sequence_batch,
     build_temporal_pyramid_batch,
-    normalize_pyramid_latents,
     pyramid_latents,
     sample_stage_length,
 )
 from pfctl.flow.scheduler import PyramidFlowScheduler
+from pfctl.models.vae import FLUX_LATENT_NORM, normalize_latents
 
 pytestmark = pytest.mark.parity
 
@@ -39,17 +40,6 @@ def _ratios_from_columns(column_to_stage: list[int]) -> list[int]:
     return [counts[s] for s in range(max(column_to_stage) + 1)]
 
 
-def _flux_dit(refdir):
-    try:
-        from pfctl.models.dit_flux import PyramidFluxTransformer
-    except ImportError as exc:  # written in parallel; the noise checks above do not need it
-        pytest.skip(f"pfctl.models.dit_flux not importable yet: {exc}")
-    kwargs = json.loads((refdir / "flux_dit" / "constructor_kwargs.json").read_text())
-    dit = PyramidFluxTransformer(**kwargs)
-    dit.load_state_dict(load_file(refdir / "flux_dit" / "state_dict.safetensors"), strict=True)
-    return dit.eval()
-
-
 def _assert_batch(batch, ref: dict):
     for k, clips in enumerate(batch.sample):
         n_ref = sum(1 for key in ref if key.startswith(f"sample.{k}."))
@@ -62,7 +52,7 @@ def _assert_batch(batch, ref: dict):
 
 
 def _check_dit(refdir, batch, ref: dict):
-    dit = _flux_dit(refdir)
+    dit = reference_flux_dit(refdir)
     with torch.no_grad():
         outputs = dit(
             sample=batch.sample,
@@ -137,17 +127,10 @@ def _no_ar_case(refdir):
     meta = json.loads((folder / "meta.json").read_text())
     ref = load_file(folder / "forward.safetensors")
     raw_before = ref["vae_latent_raw"].clone()
-    clean = normalize_pyramid_latents(ref["vae_latent_raw"])
+    # the VAE adapter's rule (what the trainer applies to cached latents)
+    clean = normalize_latents(ref["vae_latent_raw"], FLUX_LATENT_NORM)
     assert torch.equal(ref["vae_latent_raw"], raw_before), "input modified in place"
     torch.testing.assert_close(clean, ref["clean_latent"], rtol=0, atol=0)
-    try:  # the VAE adapter's rule (what the trainer applies to cached latents) must agree
-        from pfctl.models.vae import FLUX_LATENT_NORM, normalize_latents
-    except ImportError:
-        pass
-    else:
-        torch.testing.assert_close(
-            normalize_latents(ref["vae_latent_raw"], FLUX_LATENT_NORM), ref["clean_latent"], rtol=0, atol=0
-        )
     scheduler = PyramidFlowScheduler()
     pyramid = pyramid_latents(clean, scheduler.num_stages)
     for i, level in enumerate(pyramid):

@@ -12,17 +12,16 @@ from pfctl.flow.loss import flow_matching_loss
 from pfctl.flow.pyramid import (
     build_full_sequence_batch,
     build_temporal_pyramid_batch,
-    denormalize_pyramid_latents,
     endpoints_from_velocity,
     flow_target,
     history_layout,
     interpolate,
-    normalize_pyramid_latents,
     pyramid_latents,
     pyramid_noise,
     upsample_nearest2,
 )
 from pfctl.flow.scheduler import PyramidFlowScheduler, block_noise
+from pfctl.models.vae import FLUX_LATENT_NORM, denormalize_latents, normalize_latents
 from pfctl.sampling.sampler import TextConditioning, generate_latents, guidance_schedule
 
 
@@ -52,7 +51,7 @@ def test_interpolation_round_trip_float64():
 def test_normalisation_round_trip_and_no_mutation():
     z = torch.randn(2, 16, 3, 4, 4, dtype=torch.float64)
     before = z.clone()
-    back = denormalize_pyramid_latents(normalize_pyramid_latents(z))
+    back = denormalize_latents(normalize_latents(z, FLUX_LATENT_NORM), FLUX_LATENT_NORM)
     assert torch.equal(z, before)
     torch.testing.assert_close(back, z, rtol=0, atol=1e-12)
 
