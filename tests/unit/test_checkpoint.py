@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 import torch
-from helpers.tiny_models import make_official_folder, tiny_dit
 from safetensors.torch import load_file, save_file
 
+from helpers.tiny_models import make_official_folder, tiny_dit
 from pfctl.errors import CheckpointError, ConfigError, ModelLoadError
 from pfctl.models.checkpoint import (
     EXPORT_MARKER,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.tiny_models import make_text_encoder_folder
 
+from helpers.tiny_models import make_text_encoder_folder
 from pfctl.errors import InputError, ModelLoadError
 from pfctl.models.text_encoder import (
     CLIP_MAX_LENGTH,
