@@ -383,7 +383,11 @@ def write_synthetic_cache(
         "format": lc.FORMAT_NAME,
         "format_version": lc.FORMAT_VERSION,
         "fingerprint": f"synthetic-{seed}-{channels}x{height}x{width}-{store}",
-        "vae": {"name": "synthetic", "latent_channels": channels, "normalization": FLUX_LATENT_NORM.to_dict()},
+        "vae": {
+            "name": "synthetic",
+            "latent_channels": channels,
+            "normalization": FLUX_LATENT_NORM.to_dict(),
+        },
         "latent_keys": list(lc.LATENT_KEYS_MEAN_STD if store == "mean_std" else lc.LATENT_KEYS_SAMPLE),
         "provenance": {"synthetic": {"seed": seed, "lengths": list(lengths)}},
     }
