@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from pfctl import __version__
-from pfctl.cli import encode_latents, generate, train, verify_groupnorm
+from pfctl.cli import demo, encode_latents, generate, merge_lora, train, verify_groupnorm
 from pfctl.cli._common import STATE
 
 app = typer.Typer(
@@ -46,6 +46,8 @@ for module, name in (
     (train, "train"),
     (generate, "generate"),
     (verify_groupnorm, "verify-groupnorm"),
+    (merge_lora, "merge-lora"),
+    (demo, "demo"),
 ):
     app.command(name, help=module.HELP, epilog=getattr(module, "EPILOG", None))(
         getattr(module, name.replace("-", "_"))

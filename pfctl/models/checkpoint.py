@@ -453,7 +453,7 @@ def _aux_missing_error(layout: _Layout, names: Sequence[str], what: str) -> Mode
 
 
 def load_components(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | None,
     *,
     variant: str = "diffusion_transformer_384p",
     need: Iterable[str] = NEEDS,
@@ -468,6 +468,9 @@ def load_components(
     vae_dtype: torch.dtype | None = None,
 ) -> Components:
     """Load the parts in ``need`` from an official folder, a pfctl export, or a bare DiT folder.
+
+    ``path=None`` loads the embedded default model (:mod:`pfctl.models.embedded`; ``variant`` is
+    then the one its manifest names, and ``info["embedded"]`` carries its generation settings).
 
     ``dtype`` is used for every part unless ``dit_dtype`` / ``vae_dtype`` say otherwise (training
     keeps the DiT in fp32). ``dit_overrides`` are constructor arguments applied over the config
@@ -486,9 +489,16 @@ def load_components(
         raise ConfigError(
             f"unknown model name {model_name!r}", hint=f"choose from {', '.join(MODEL_NAME_TO_CLASS)}"
         )
+    embedded = None
+    if path is None:  # the embedded default model (official layout; its files' sha256 checked)
+        from pfctl.models.embedded import resolve_embedded
+
+        path, variant, embedded = resolve_embedded(n for n in need if not (n == "vae" and vae is not None))
     root = Path(path)
     layout = _detect_layout(root, variant, use_ema)
     info: dict[str, Any] = {"layout": layout.kind, "root": str(root.resolve()), "need": list(need)}
+    if embedded is not None:
+        info["embedded"] = embedded
     if layout.marker is not None:
         info["export"] = {k: layout.marker.get(k) for k in ("base_model_path", "pfctl_version", "extra")}
     # the official folder a fine-tune starts from / an export points at (VAE + text encoders)

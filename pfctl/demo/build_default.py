@@ -1,0 +1,310 @@
+"""Rebuild the embedded default model (``pfctl/assets/shapes-tiny``) from scratch.
+
+``python -m pfctl.demo.build_default [--work DIR] [--install]`` runs, in order:
+
+1. ``make_shapes`` — the training clips (576 clips, 64x64, 17 frames at 24 fps, seed 0;
+   4 colours x 3 shapes x 4 directions, 12 clips per class);
+2. ``train_vae`` — the tiny causal VAE (:mod:`pfctl.demo.train_vae`, fixed seed);
+3. ``build_tiny_text_encoder_folder`` — tiny CLIP + T5 with tokenizers built offline whose
+   vocabulary holds every caption word as one token (random frozen weights: the DiT learns to
+   read them);
+4. ``pfctl encode-latents --recipe shapes-tiny`` — latents + text features of every clip;
+5. ``torchrun --nproc_per_node 2 -m pfctl train --recipe shapes-tiny`` — the DiT (preset
+   ``shapes-tiny``) from scratch, 2 CPU processes in one sync group of 2;
+6. assemble the official folder layout + ``manifest.json`` (sha256 of every file, the
+   generation settings of the recipe's ``generate:`` section, how it was trained);
+7. (``--evaluate``) generate the acceptance prompt set and score it.
+
+Measured times are recorded in the manifest's ``training`` section (and printed). The stages
+skip work already done in ``--work`` (dataset, VAE, cache), so a failed late stage reruns fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pfctl.errors import CheckFailed
+
+RECIPE = "shapes-tiny"
+NUM_CLIPS = 576
+TEXT_SEED = 0
+AUX_FOLDERS = ("causal_video_vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+
+
+def _log(message: str) -> None:
+    print(message, flush=True)
+
+
+def caption_corpus() -> tuple[str, ...]:
+    """The tokenizers' vocabulary source: the default tiny corpus + every shapes caption."""
+    from pfctl.demo.shapes import COLORS, DIRECTIONS, SHAPES, caption_for
+    from pfctl.models.text_encoder import DEFAULT_TINY_CORPUS
+
+    captions = [caption_for(c, s, d) for c, s, d in itertools.product(COLORS, SHAPES, DIRECTIONS)]
+    return (*DEFAULT_TINY_CORPUS, *captions)
+
+
+def _run(cmd: list[str], env: Mapping[str, str] | None = None) -> None:
+    _log("$ " + " ".join(cmd))
+    code = subprocess.call(cmd, env=dict(env) if env is not None else None)
+    if code != 0:
+        raise CheckFailed(f"{cmd[2:5]} exited with code {code}", hint="see its output above")
+
+
+def _files_with_hashes(root: Path) -> dict[str, dict[str, Any]]:
+    from pfctl.utils.io import sha256_file
+
+    files = {}
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if path.is_file() and rel != "manifest.json" and not any(p.startswith(".") for p in rel.split("/")):
+            files[rel] = {"sha256": sha256_file(path), "size": path.stat().st_size}
+    return files
+
+
+def assemble(
+    stage: Path,
+    dit_folder: Path,
+    out: Path,
+    *,
+    variant: str,
+    resolution: tuple[int, int],
+    generate: Mapping[str, Any],
+    training: Mapping[str, Any],
+) -> Path:
+    """Write the official layout + manifest into ``out`` (replaced atomically as a folder)."""
+    from pfctl.models.embedded import EMBEDDED_NAME, MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION
+    from pfctl.utils.io import atomic_write_json
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        for name in AUX_FOLDERS:
+            shutil.copytree(stage / name, tmp / name)
+        (tmp / variant).mkdir()
+        for name in ("config.json", "diffusion_pytorch_model.safetensors"):
+            shutil.copy2(dit_folder / name, tmp / variant / name)
+        bad = [p for p in tmp.rglob("*") if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl")]
+        if bad:
+            raise CheckFailed(f"pickled weight files would ship: {bad}", hint="convert them to safetensors")
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "format_version": MANIFEST_VERSION,
+            "name": EMBEDDED_NAME,
+            "description": "tiny Pyramid Flow (miniFLUX-style DiT + causal VAE + CLIP/T5) trained on synthetic shapes",
+            "model_name": "pyramid_flux",
+            "variant": variant,
+            "resolution": list(resolution),
+            "fps": 24,
+            "generate": dict(generate),
+            "prompt_set": {
+                "template": "a {color} {shape} moving {direction}",
+                "colors": ["red", "green", "blue", "yellow"],
+                "shapes": ["circle", "square", "triangle"],
+                "directions": ["left", "right", "up", "down"],
+            },
+            "training": dict(training),
+            "files": _files_with_hashes(tmp),
+        }
+        atomic_write_json(tmp / MANIFEST_NAME, manifest)
+        if out.exists():
+            old = out.parent / f".{out.name}-old-{os.getpid()}"
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def build_default(
+    work: str | os.PathLike[str],
+    *,
+    out: str | os.PathLike[str] | None = None,
+    vae_from: str | os.PathLike[str] | None = None,
+    vae_steps: int | None = None,
+    vae_device: str = "cpu",
+    dit_steps: int | None = None,
+    nproc: int = 2,
+    num_clips: int = NUM_CLIPS,
+    evaluate: bool = False,
+) -> Path:
+    """Run the stages of the module docstring; returns the assembled model folder."""
+    from pfctl.config.load import read_recipe, resolve_recipe_path
+    from pfctl.demo.shapes import make_shapes
+    from pfctl.demo.train_vae import VAETrainConfig, train_vae
+    from pfctl.models.embedded import ASSETS_DIR, DEFAULT_VARIANT, EMBEDDED_NAME
+    from pfctl.models.text_encoder import build_tiny_text_encoder_folder
+
+    work = Path(work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    target = Path(out) if out is not None else ASSETS_DIR / EMBEDDED_NAME
+    recipe_path = resolve_recipe_path(RECIPE)
+    recipe = read_recipe(RECIPE)
+    seconds: dict[str, float] = {}
+    stage = work / "stage"
+
+    t0 = time.perf_counter()
+    annotations = work / "shapes" / "annotations.jsonl"
+    if not annotations.is_file():
+        _log(f"[1/6] rendering {num_clips} shapes clips into {work / 'shapes'}")
+        make_shapes(work / "shapes", num_clips=num_clips, size=(64, 64), num_frames=17, fps=24, seed=0)
+    seconds["data"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    vae_cfg = VAETrainConfig(device=vae_device, **({"steps": vae_steps} if vae_steps else {}))
+    vae_record: dict[str, Any] = {}
+    if vae_from is not None:
+        _log(f"[2/6] using the VAE trained in {vae_from}")
+        shutil.rmtree(stage / "causal_video_vae", ignore_errors=True)
+        shutil.copytree(Path(vae_from) / "causal_video_vae", stage / "causal_video_vae")
+        record = Path(vae_from) / "vae_train_config.json"
+        vae_record = json.loads(record.read_text()) if record.is_file() else {"source": str(vae_from)}
+    elif not (stage / "causal_video_vae" / "config.json").is_file():
+        _log(f"[2/6] training the VAE ({vae_cfg.steps} steps on {vae_device})")
+        train_vae(stage, vae_cfg, on_log=lambda r: _log(f"      vae step {r['step']}: {r['psnr']:.1f} dB"))
+        vae_record = json.loads((stage / "vae_train_config.json").read_text())
+    else:
+        vae_record = json.loads((stage / "vae_train_config.json").read_text())
+    seconds["vae"] = time.perf_counter() - t0
+
+    _log("[3/6] building the tiny text encoders")
+    build_tiny_text_encoder_folder(stage, seed=TEXT_SEED, vocab_corpus=caption_corpus(), shard_t5=False)
+
+    t0 = time.perf_counter()
+    cache = work / "cache"
+    sets = [f"model.path={stage}", f"encode.annotations={annotations}", f"encode.output_dir={cache}"]
+    cli = [sys.executable, "-m", "pfctl"]
+    _log("[4/6] encode-latents")
+    _run([*cli, "encode-latents", "--recipe", str(recipe_path), *(a for s in sets for a in ("--set", s))])
+    seconds["encode"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    train_dir = work / "train"
+    shutil.rmtree(train_dir, ignore_errors=True)
+    tsets = [f"train.cache={cache}", f"train.output_dir={train_dir}", f"model.path={stage}"]
+    if dit_steps:
+        tsets.append(f"train.max_steps={dit_steps}")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc))}
+    _log(f"[5/6] training the DiT on {nproc} CPU processes")
+    _run(
+        [
+            *launcher,
+            "-m",
+            "pfctl",
+            "train",
+            "--recipe",
+            str(recipe_path),
+            *(a for s in tsets for a in ("--set", s)),
+        ],
+        env,
+    )
+    seconds["dit"] = time.perf_counter() - t0
+
+    _log(f"[6/6] assembling {target}")
+    train_section = dict(recipe.get("train") or {})
+    if dit_steps:
+        train_section["max_steps"] = dit_steps
+    training = {
+        "recipe": f"recipes/{RECIPE}.yaml",
+        "command": "python -m pfctl.demo.build_default --install",
+        "data": {"generator": "pfctl.demo.shapes.make_shapes", "num_clips": num_clips, "seed": 0},
+        "vae": vae_record,
+        "text_encoder": {"builder": "build_tiny_text_encoder_folder", "seed": TEXT_SEED},
+        "dit": {
+            "preset": (recipe.get("model") or {}).get("dit_preset"),
+            "train": train_section,
+            "nproc": nproc,
+        },
+        "seconds": {k: round(v, 1) for k, v in seconds.items()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+    }
+    try:
+        import torch
+
+        training["torch"] = torch.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    folder = assemble(
+        stage,
+        train_dir / "export" / "transformer",
+        target,
+        variant=DEFAULT_VARIANT,
+        resolution=(64, 64),
+        generate=dict(recipe.get("generate") or {}),
+        training=training,
+    )
+    total = sum(os.path.getsize(p) for p in folder.rglob("*") if p.is_file())
+    _log(f"wrote {folder} ({total / 1e6:.2f} MB); stage times: {training['seconds']}")
+
+    if evaluate:
+        from pfctl.demo.run import evaluate_model
+
+        shutil.rmtree(work / "eval", ignore_errors=True)
+        score, _ = evaluate_model(
+            work / "eval",
+            model_path=None if out is None else folder,
+            variant=DEFAULT_VARIANT,
+            generate=None if out is None else dict(recipe.get("generate") or {}),
+        )
+        _log(f"colour accuracy {score.color_accuracy:.1%}, direction accuracy {score.direction_accuracy:.1%}")
+    return folder
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m pfctl.demo.build_default", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--work", default="build/shapes-tiny", help="working folder (data, VAE, cache, training)"
+    )
+    parser.add_argument(
+        "--out", default=None, help="write the model here instead of pfctl/assets/shapes-tiny"
+    )
+    parser.add_argument("--install", action="store_true", help="write into pfctl/assets/shapes-tiny")
+    parser.add_argument(
+        "--vae-from", default=None, help="reuse a VAE trained by python -m pfctl.demo.train_vae"
+    )
+    parser.add_argument("--vae-steps", type=int, default=None)
+    parser.add_argument("--vae-device", default="cpu")
+    parser.add_argument("--dit-steps", type=int, default=None, help="override train.max_steps of the recipe")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--clips", type=int, default=NUM_CLIPS, help="shapes clips to train on")
+    parser.add_argument("--evaluate", action="store_true", help="score the prompt set afterwards")
+    args = parser.parse_args(argv)
+    if args.out is None and not args.install:
+        parser.error("give --install (replace pfctl/assets/shapes-tiny) or --out DIR")
+    build_default(
+        args.work,
+        out=args.out,
+        vae_from=args.vae_from,
+        vae_steps=args.vae_steps,
+        vae_device=args.vae_device,
+        dit_steps=args.dit_steps,
+        nproc=args.nproc,
+        num_clips=args.clips,
+        evaluate=args.evaluate,
+    )
+
+
+if __name__ == "__main__":
+    main()
