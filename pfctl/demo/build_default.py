@@ -16,7 +16,8 @@
 7. (``--evaluate``) generate the acceptance prompt set and score it.
 
 Measured times are recorded in the manifest's ``training`` section (and printed). The stages
-skip work already done in ``--work`` (dataset, VAE, cache), so a failed late stage reruns fast.
+skip work already done in ``--work`` (dataset, VAE, cache) and the DiT run resumes from its last
+checkpoint (``--fresh`` discards it), so an interrupted build continues where it stopped.
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ def build_default(
     nproc: int = 2,
     num_clips: int = NUM_CLIPS,
     evaluate: bool = False,
+    fresh: bool = False,
 ) -> Path:
     """Run the stages of the module docstring; returns the assembled model folder."""
     from pfctl.config.load import read_recipe, resolve_recipe_path
@@ -195,8 +197,15 @@ def build_default(
 
     t0 = time.perf_counter()
     train_dir = work / "train"
-    shutil.rmtree(train_dir, ignore_errors=True)
-    tsets = [f"train.cache={cache}", f"train.output_dir={train_dir}", f"model.path={stage}"]
+    if fresh:
+        shutil.rmtree(train_dir, ignore_errors=True)
+    # resume=latest: a run that was interrupted continues bit-exactly from its last checkpoint
+    tsets = [
+        f"train.cache={cache}",
+        f"train.output_dir={train_dir}",
+        f"model.path={stage}",
+        "train.resume=latest",
+    ]
     if dit_steps:
         tsets.append(f"train.max_steps={dit_steps}")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
@@ -290,6 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--clips", type=int, default=NUM_CLIPS, help="shapes clips to train on")
     parser.add_argument("--evaluate", action="store_true", help="score the prompt set afterwards")
+    parser.add_argument("--fresh", action="store_true", help="discard an earlier DiT run in --work/train")
     args = parser.parse_args(argv)
     if args.out is None and not args.install:
         parser.error("give --install (replace pfctl/assets/shapes-tiny) or --out DIR")
@@ -303,6 +313,7 @@ def main(argv: list[str] | None = None) -> None:
         nproc=args.nproc,
         num_clips=args.clips,
         evaluate=args.evaluate,
+        fresh=args.fresh,
     )
 
 

@@ -114,10 +114,6 @@ def test_model_settings_fill_only_what_the_user_left_unset() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue #8 is open: the shipped model scores 79% colour / 42% direction (needs >= 80% / >= 60%)",
-)
 def test_embedded_model_draws_the_prompted_colour_and_direction(tmp_path: Path) -> None:
     from pfctl.demo.run import evaluate_model
 
