@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite in one call (2x H200: single-GPU benchmarks on GPU 0, then the
 # 2-process sync-group run and the FSDP tests on both). Results: $OUT (or ./bench-out).
-# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,train_ckpt,sync,fsdp]
+# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,train_ckpt,sync,fsdp,reference]
+# (reference: needs a Pyramid-Flow checkout in third_party/Pyramid-Flow and einops; not in the default list)
 set -uo pipefail
 OUT="${OUT:-bench-out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -19,4 +20,7 @@ case ",$STEPS," in *,sync,*)
 esac
 case ",$STEPS," in *,fsdp,*)
   echo "=== FSDP tests (2 GPUs)"; python -m pytest -q -p no:cacheprovider tests/integration/test_train_fsdp.py 2>&1 | tail -6;;
+esac
+case ",$STEPS," in *,reference,*)
+  echo "=== side by side with the reference (GPU 0, miniFLUX 384p: generate 5 s, train step)"; CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_reference.py all --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference.json" 2>&1 | tail -16;;
 esac

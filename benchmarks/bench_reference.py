@@ -1,0 +1,576 @@
+"""pfctl vs the reference implementation, side by side in one process: generate and train.
+
+Both load the same checkpoint folder — a random real-size miniFLUX DiT (and, for generate, the
+released causal-VAE architecture), written once in the official layout — each with its own code,
+and get the same text features: random features of the real widths (T5-XXL 4096 x 128 tokens,
+CLIP-L 768) stand in for the text encoders on both sides.
+
+* ``generate``: one t2v video. The reference draws its initial latents and stage-transition
+  block noise; the harness records them and replays them into pfctl's sampler
+  (``initial_noise`` / ``block_noises``), so the latents must agree; the timed pfctl run draws
+  its own noise, as a user's run does. Then both decoders decode the reference's latents.
+* ``train``: the reference runs its own training step (temporal-pyramid noising, DiT, loss,
+  AdamW) and the harness records what its DiT and loss receive; pfctl runs its DiT, loss and
+  optimizer on exactly those inputs from the same starting weights, so the losses must agree.
+
+The reference is not part of pfctl: clone jy0205/Pyramid-Flow into a git-ignored folder (default
+``third_party/Pyramid-Flow``) and install ``einops`` (its dependency). To run it on current
+software the harness (a) stubs ``tensorboardX``, ``IPython``, ``timm`` and ``torchvision`` when
+they are not installed (used only by its training utilities, LPIPS and weight initialisers that
+the loaded weights replace), and (b) adds 1e-6 to the diagonal of its block-noise covariance
+``(1+g)I - g`` (exactly singular for g = 1/3, which torch >= 2.4 refuses: its issues
+#53/#121/#209).
+
+* CUDA: generate a 5 s 384p video — 640x384, temp 16, steps [20,20,20] / [10,10,10], CFG 7 / 5,
+  bf16 weights, the reference under bf16 autocast as in its demo scripts, decode window 1 with
+  256-px tiles on both sides (the reference's ``save_memory``); train miniFLUX at 384p, 16 latent
+  frames, batch 4 (columns [1,2,1]), G = 8 (rank 0's units), fp32 master weights + bf16 autocast.
+* CPU (a check of the harness itself): a 1+1-block DiT and the tiny VAE in fp32; outputs agree to
+  fp32 rounding.
+
+Exit code 1 when the outputs disagree beyond the tolerance.
+
+    python benchmarks/bench_reference.py all                   # CPU check
+    python benchmarks/bench_reference.py all --device cuda --json reference.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import importlib
+import importlib.abc
+import importlib.machinery
+import json
+import shutil
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from bench_generate import REAL_VAE, RandomTextEncoder  # noqa: E402
+
+OPTIONAL_REFERENCE_IMPORTS = ("tensorboardX", "IPython", "timm", "torchvision")
+COVARIANCE_JITTER = 1e-6
+PROMPT = "a red circle moving left"
+CPU_DIT = {
+    "num_layers": 1,
+    "num_single_layers": 1,
+    "attention_head_dim": 64,  # the reference fixes axes_dims_rope = [16, 24, 24]
+    "num_attention_heads": 2,
+    "axes_dims_rope": [16, 24, 24],
+}
+TOLERANCE = {"cuda": 5e-2, "cpu": 1e-4}
+"""Relative L2 error allowed between the two implementations' latents (bf16 on CUDA, fp32 on CPU)."""
+
+
+# ----------------------------------------------------------------------------- the reference
+class _StubModule(types.ModuleType):
+    """Any attribute is another stub and calling one does nothing: enough for import-time
+    ``from x import y`` and for ``timm``'s weight initialisers, whose values the loaded weights replace."""
+
+    def __getattr__(self, name: str) -> _StubModule:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _StubModule(f"{self.__name__}.{name}")
+
+    def __call__(self, *args, **kwargs) -> None:
+        return None
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, roots: set[str]) -> None:
+        self.roots = roots
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.split(".")[0] in self.roots:
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return _StubModule(spec.name)
+
+    def exec_module(self, module) -> None:
+        module.__path__ = []
+
+
+def import_reference(root: Path) -> tuple[type, list[str]]:
+    """The reference's ``PyramidDiTForVideoGeneration`` and the modules that had to be stubbed."""
+    if not (root / "pyramid_dit" / "pyramid_dit_for_video_gen_pipeline.py").is_file():
+        raise SystemExit(
+            f"error: {root} is not a Pyramid-Flow checkout (git clone jy0205/Pyramid-Flow there)"
+        )
+    import diffusers  # (probes torchvision at import: before any stub exists)
+    import diffusers.models.modeling_utils  # noqa: F401
+    import transformers  # noqa: F401
+
+    missing = []
+    for name in OPTIONAL_REFERENCE_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        sys.meta_path.insert(0, _StubFinder(set(missing)))
+    sys.path.insert(0, str(root))
+    pipeline = importlib.import_module("pyramid_dit")
+    return pipeline.PyramidDiTForVideoGeneration, missing
+
+
+class _JitteredNormal(torch.distributions.MultivariateNormal):
+    def __init__(self, loc: torch.Tensor, covariance_matrix: torch.Tensor, **kwargs) -> None:
+        eye = torch.eye(covariance_matrix.shape[-1], dtype=covariance_matrix.dtype)
+        super().__init__(loc, covariance_matrix=covariance_matrix + COVARIANCE_JITTER * eye, **kwargs)
+
+
+@contextlib.contextmanager
+def reference_noise_recorder(pipe):
+    """Run the reference with a regular block-noise covariance, recording every noise it draws."""
+    record: dict = {"initial": None, "blocks": []}
+    prepare, block = pipe.prepare_latents, pipe.sample_block_noise
+
+    def prepare_latents(*args, **kwargs):
+        record["initial"] = prepare(*args, **kwargs)
+        return record["initial"]
+
+    def sample_block_noise(*args, **kwargs):
+        record["blocks"].append(block(*args, **kwargs))
+        return record["blocks"][-1]
+
+    mvn_module = torch.distributions.multivariate_normal
+    original = mvn_module.MultivariateNormal
+    pipe.prepare_latents, pipe.sample_block_noise = prepare_latents, sample_block_noise
+    mvn_module.MultivariateNormal = _JitteredNormal
+    try:
+        yield record
+    finally:
+        mvn_module.MultivariateNormal = original
+        del pipe.prepare_latents, pipe.sample_block_noise
+
+
+# ----------------------------------------------------------------------------- shared set-up
+def write_checkpoint(
+    folder: Path, variant: str, dit_overrides: dict, vae_config: dict | None, seed: int, dtype: torch.dtype
+) -> int:
+    """A random-weight checkpoint folder in the official layout; returns the DiT's parameter count."""
+    from pfctl.models.causal_vae import CausalVideoVAE
+    from pfctl.models.registry import build_dit
+
+    dit = build_dit("miniflux", dit_overrides, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in dit.parameters():  # a fresh DiT predicts exactly 0: give it a non-trivial output
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    torch.nn.Module.to(dit, dtype=dtype).save_pretrained(folder / variant)
+    if vae_config is not None:
+        torch.manual_seed(seed)
+        vae = torch.nn.Module.to(CausalVideoVAE(**vae_config), dtype=dtype)
+        vae.save_pretrained(folder / "causal_video_vae")
+    return sum(p.numel() for p in dit.parameters())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+
+
+def _timed(fn, device: torch.device):
+    _reset_peak(device)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return out, time.perf_counter() - t0, _peak_gib(device)
+
+
+def gib(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# ----------------------------------------------------------------------------- main
+def side_by_side_generate(args: argparse.Namespace, Reference: type, device: torch.device) -> dict:
+    """Sampling + decode of one video by both implementations; returns the result record."""
+    from pfctl.config.generate import RESOLUTIONS
+    from pfctl.models.checkpoint import load_dit_folder
+    from pfctl.models.vae import TINY_CAUSAL_VAE_CONFIG, load_vae
+    from pfctl.sampling.generate import decode_latents
+    from pfctl.sampling.sampler import TextConditioning, generate_latents
+
+    cuda = device.type == "cuda"
+    temp = args.temp or (16 if cuda else 3)
+    resolution = args.resolution or ("384p" if cuda else "64x64")
+    width, height = RESOLUTIONS[resolution] if resolution in RESOLUTIONS else map(int, resolution.split("x"))
+    steps = ([20, 20, 20], [10, 10, 10]) if cuda else ([1, 1, 1], [1, 1, 1])
+    cfg = (7.0, 5.0)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    variant = "diffusion_transformer_384p"
+    folder = Path(tempfile.mkdtemp(prefix="pfctl-bench-reference-"))
+    atexit.register(shutil.rmtree, folder, True)
+    dit_params = write_checkpoint(
+        folder, variant, {} if cuda else CPU_DIT, REAL_VAE if cuda else TINY_CAUSAL_VAE_CONFIG, 0, dtype
+    )
+
+    # the same text features on both sides
+    dit_config = json.loads((folder / variant / "config.json").read_text())
+    text = RandomTextEncoder(
+        128, dit_config["joint_attention_dim"], dit_config["pooled_projection_dim"], device, dtype
+    )
+    positive, negative = text.encode([PROMPT]), text.encode([""])
+
+    def reference_text(prompt, device_):
+        e = negative if prompt == "" else positive
+        return e.prompt_embeds, e.prompt_attention_mask, e.pooled_prompt_embeds
+
+    # --- the reference
+    ref = Reference(
+        str(folder),
+        model_dtype="bf16" if cuda else "fp32",
+        model_name="pyramid_flux",
+        model_variant=variant,
+        load_text_encoder=False,
+        load_vae=True,
+    )
+    ref.dit.to(device).eval()
+    ref.vae.to(device).eval()
+    ref.text_encoder = reference_text
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+
+    def run_reference():
+        with torch.no_grad(), autocast, reference_noise_recorder(ref) as record:
+            latents = ref.generate(
+                prompt=PROMPT,
+                negative_prompt="",
+                height=height,
+                width=width,
+                temp=temp,
+                num_inference_steps=steps[0],
+                video_num_inference_steps=steps[1],
+                guidance_scale=cfg[0],
+                video_guidance_scale=cfg[1],
+                generator=torch.Generator(device).manual_seed(0),
+                output_type="latent",
+            )
+        return latents, record
+
+    def decode_reference(latents):
+        with torch.no_grad(), autocast:
+            return ref.decode_latent(latents.clone(), save_memory=True)
+
+    ref_runs = [_timed(run_reference, device) for _ in range(args.repeats)]
+    (ref_latents, record), ref_sample_s, ref_sample_peak = ref_runs[-1]
+    ref_frames, ref_decode_s, ref_decode_peak = [
+        _timed(lambda: decode_reference(ref_latents), device) for _ in range(args.repeats)
+    ][-1]
+    ref.dit = ref.vae = None  # free the reference's weights before pfctl loads its own
+    if cuda:
+        torch.cuda.empty_cache()
+
+    # --- pfctl, loading the same folder with its own code
+    dit = load_dit_folder(folder / variant, dtype=dtype, device=device).eval()
+    vae = load_vae(str(folder / "causal_video_vae"), dtype=dtype, device=device)
+    conditioning = TextConditioning.from_pair(positive, negative)
+    common = dict(
+        temp=temp,
+        height=height // 8,
+        width=width // 8,
+        num_inference_steps=steps[0],
+        video_num_inference_steps=steps[1],
+        guidance_scale=cfg[0],
+        video_guidance_scale=cfg[1],
+        dtype=dtype,
+        device=device,
+    )
+
+    def run_pfctl(**noise):
+        with torch.no_grad():
+            return generate_latents(dit, conditioning, **common, **noise)
+
+    pf_runs = [
+        _timed(lambda: run_pfctl(generator=torch.Generator(device).manual_seed(0)), device)
+        for _ in range(args.repeats)
+    ]
+    _, pf_sample_s, pf_sample_peak = pf_runs[-1]
+    replayed = run_pfctl(initial_noise=record["initial"], block_noises=record["blocks"])
+    with torch.no_grad():
+        (_, pf_frames), pf_decode_s, pf_decode_peak = [
+            _timed(lambda: decode_latents(vae, ref_latents, chunking="framewise", window=1, tile=256), device)
+            for _ in range(args.repeats)
+        ][-1]
+
+    # --- agreement: same noise → same latents; same latents → same frames
+    import numpy as np
+
+    latent_err = relative_l2(replayed, ref_latents)
+    control_err = relative_l2(pf_runs[-1][0], ref_latents)  # other noise: what "different" looks like
+    ref_uint8 = torch.from_numpy(np.stack([np.asarray(im) for im in ref_frames]))
+    pf_uint8 = pf_frames[0].cpu()
+    frame_diff = (pf_uint8.int() - ref_uint8.int()).abs()
+    tolerance = TOLERANCE[device.type]
+    result = {
+        "dit_params": dit_params,
+        "dtype": str(dtype).replace("torch.", ""),
+        "size": f"{width}x{height}",
+        "temp": temp,
+        "steps": steps,
+        "cfg": cfg,
+        "covariance_jitter": COVARIANCE_JITTER,
+        "reference": {
+            "sample_s": ref_sample_s,
+            "decode_s": ref_decode_s,
+            "sample_peak_gib": ref_sample_peak,
+            "decode_peak_gib": ref_decode_peak,
+            "all_sample_s": [r[1] for r in ref_runs],
+        },
+        "pfctl": {
+            "sample_s": pf_sample_s,
+            "decode_s": pf_decode_s,
+            "sample_peak_gib": pf_sample_peak,
+            "decode_peak_gib": pf_decode_peak,
+            "all_sample_s": [r[1] for r in pf_runs],
+        },
+        "latents_relative_l2": latent_err,
+        "latents_tolerance": tolerance,
+        "latents_relative_l2_other_noise": control_err,
+        "frames_max_abs_diff": int(frame_diff.max()),
+        "frames_mean_abs_diff": float(frame_diff.float().mean()),
+    }
+    result["speedup_sample"] = ref_sample_s / pf_sample_s
+    result["speedup_total"] = (ref_sample_s + ref_decode_s) / (pf_sample_s + pf_decode_s)
+    result["agrees"] = latent_err <= tolerance
+
+    print()
+    print(f"generate side by side — miniFLUX-architecture DiT ({dit_params / 1e6:,.0f}M params), "
+          f"{result['dtype']}, {width}x{height}, temp {temp}, steps {steps[0]}/{steps[1]}, CFG {cfg[0]}/{cfg[1]}")  # fmt: skip
+    print(f"{'':>10} {'sample s':>9} {'decode s':>9} {'total s':>8} {'peak GiB (sample/decode)':>25}")
+    for name, r in (("reference", result["reference"]), ("pfctl", result["pfctl"])):
+        peaks = f"{gib(r['sample_peak_gib'])} / {gib(r['decode_peak_gib'])}"
+        print(
+            f"{name:>10} {r['sample_s']:>9.2f} {r['decode_s']:>9.2f} {r['sample_s'] + r['decode_s']:>8.2f} {peaks:>25}"
+        )
+    print(f"{'ratio':>10} {result['speedup_sample']:>8.2f}x {ref_decode_s / pf_decode_s:>8.2f}x "
+          f"{result['speedup_total']:>7.2f}x   (reference / pfctl)")  # fmt: skip
+    same = "yes" if latent_err <= tolerance else "NO"
+    print(f"same noise → latents rel. L2 {latent_err:.2e} (tolerance {tolerance:.0e}): {same}; "
+          f"(other noise: {control_err:.2f}); decoded frames max |diff| {result['frames_max_abs_diff']}, "
+          f"mean {result['frames_mean_abs_diff']:.3f}")  # fmt: skip
+    return result
+
+
+def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.device) -> dict:
+    """Training steps on identical inputs, both starting from the same weights.
+
+    The reference runs its own step (its temporal-pyramid noising of the latents, DiT, loss,
+    AdamW); the harness records every DiT input and target it built. pfctl then runs its DiT,
+    its loss and its optimizer on exactly those inputs. Both: fp32 master weights, bf16 autocast
+    on CUDA, AdamW, gradient clipping at 1.0, no gradient checkpointing; the reference's rank 0
+    of a sync group of ``G`` decides the units each step trains (it alternates between turns).
+    """
+    import statistics
+
+    from pfctl.config.train import TrainConfig
+    from pfctl.flow.loss import flow_matching_loss
+    from pfctl.models.checkpoint import load_dit_folder
+    from pfctl.training.optim import build_optimizer
+
+    cuda = device.type == "cuda"
+    frames = args.temp or (16 if cuda else 4)
+    group = 8 if cuda else 2
+    latent_h, latent_w = (48, 80) if cuda else (8, 8)
+    steps = args.steps or (6 if cuda else 3)
+    warmup = min(2, steps - 1) if cuda else 1
+    variant = "diffusion_transformer_384p"
+    folder = Path(tempfile.mkdtemp(prefix="pfctl-bench-reference-"))
+    atexit.register(shutil.rmtree, folder, True)
+    dit_params = write_checkpoint(folder, variant, {} if cuda else CPU_DIT, None, 0, torch.float32)
+    dit_config = json.loads((folder / variant / "config.json").read_text())
+    text = RandomTextEncoder(
+        128, dit_config["joint_attention_dim"], dit_config["pooled_projection_dim"], device, torch.float32
+    )
+    positive, negative = text.encode(["a red circle moving left"] * 4), text.encode([""])
+    gen = torch.Generator().manual_seed(0)
+    latents = torch.randn(4, 16, frames, latent_h, latent_w, generator=gen).to(device)  # columns [1, 2, 1]
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+
+    # --- the reference's own step, recording what its DiT and loss receive
+    ref = Reference(
+        str(folder),
+        model_dtype="bf16" if cuda else "fp32",
+        model_name="pyramid_flux",
+        model_variant=variant,
+        load_text_encoder=False,
+        load_vae=False,
+        use_mixed_training=True,
+        max_temporal_length=frames,
+        frame_per_unit=1,
+        sample_ratios=[1, 2, 1],
+        stages=[1, 2, 4],
+        video_sync_group=group,
+    )
+    ref.dit.to(device).train()
+    ref.null_text_embeds = {
+        "prompt_embed": negative.prompt_embeds[0],
+        "prompt_attention_mask": negative.prompt_attention_mask[0],
+        "pooled_prompt_embed": negative.pooled_prompt_embeds[0],
+    }
+    accelerator = types.SimpleNamespace(autocast=lambda: autocast)  # all the reference's call uses
+    inputs: list[dict] = []
+    targets: list[list[torch.Tensor]] = []
+    ref.dit.register_forward_pre_hook(
+        lambda _m, _a, kw: inputs.append({k: v.copy() if isinstance(v, list) else v for k, v in kw.items()}),
+        with_kwargs=True,
+    )
+    calculate_loss = ref.calculate_loss
+
+    def recording_loss(preds, targets_list):
+        targets.append([t.detach() for t in targets_list])
+        return calculate_loss(preds, targets_list)
+
+    ref.calculate_loss = recording_loss
+    ref_opt = torch.optim.AdamW(ref.dit.parameters(), lr=1e-4, weight_decay=1e-4)
+
+    def ref_step() -> float:
+        batch_text = {
+            "prompt_embeds": positive.prompt_embeds.clone(),
+            "prompt_attention_mask": positive.prompt_attention_mask.clone(),
+            "pooled_prompt_embeds": positive.pooled_prompt_embeds.clone(),
+        }
+        with autocast:
+            loss, _ = ref(latents.clone(), batch_text, identifier=["video"], accelerator=accelerator)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.dit.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    ref_runs = [_timed(ref_step, device) for _ in range(steps)]
+    ref_peak = max((r[2] or 0.0) for r in ref_runs) if cuda else None
+    ref.dit = ref_opt = None
+    if cuda:
+        torch.cuda.empty_cache()
+
+    # --- pfctl on the recorded inputs
+    dit = load_dit_folder(folder / variant, dtype=torch.float32, device=device).train()
+    opt = build_optimizer(dit, TrainConfig(lr=1e-4, weight_decay=1e-4))
+
+    def pfctl_step(i: int) -> float:
+        with autocast:
+            preds = dit(**inputs[i])
+            loss = flow_matching_loss(preds, targets[i]).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(dit.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    pf_runs = [_timed(lambda i=i: pfctl_step(i), device) for i in range(steps)]
+    pf_peak = max((r[2] or 0.0) for r in pf_runs) if cuda else None
+
+    def image_tokens(sample: torch.Tensor | list) -> int:  # patch 2: (H/2)(W/2) tokens per frame
+        if isinstance(sample, list):
+            return sum(image_tokens(x) for x in sample)
+        return sample.shape[0] * sample.shape[2] * (sample.shape[3] // 2) * (sample.shape[4] // 2)
+
+    tokens = [image_tokens(r["sample"]) for r in inputs]
+    loss_diff = [abs(a[0] - b[0]) / max(abs(a[0]), 1e-12) for a, b in zip(ref_runs, pf_runs, strict=True)]
+    tolerance = TOLERANCE[device.type]
+    timed = slice(warmup, None)
+    ref_s = statistics.median(r[1] for r in ref_runs[timed])
+    pf_s = statistics.median(r[1] for r in pf_runs[timed])
+    mean_tokens = statistics.mean(tokens[timed])
+    result = {
+        "dit_params": dit_params,
+        "latents": [4, 16, frames, latent_h, latent_w],
+        "video_sync_group": group,
+        "steps": steps,
+        "warmup_steps": warmup,
+        "image_tokens_per_step": tokens,
+        "reference": {"step_s": ref_s, "losses": [r[0] for r in ref_runs], "peak_gib": ref_peak},
+        "pfctl": {"step_s": pf_s, "losses": [r[0] for r in pf_runs], "peak_gib": pf_peak},
+        "loss_relative_diff": loss_diff,
+        "loss_tolerance": tolerance,
+        "speedup_step": ref_s / pf_s,
+        "agrees": loss_diff[0] <= tolerance,
+    }
+    print()
+    print(
+        f"train side by side — miniFLUX-architecture DiT ({dit_params / 1e6:,.0f}M params), latents "
+        f"{result['latents']}, G = {group} (rank 0), fp32 master + {'bf16 autocast' if cuda else 'fp32'}, "
+        f"AdamW, median of {steps - warmup} steps after {warmup} warm-up"
+    )
+    print(f"{'':>10} {'step s':>8} {'img tok/s':>10} {'peak GiB':>9} {'first loss':>11}")
+    for name, r in (("reference", result["reference"]), ("pfctl", result["pfctl"])):
+        print(
+            f"{name:>10} {r['step_s']:>8.3f} {mean_tokens / r['step_s']:>10.0f} {gib(r['peak_gib']):>9} "
+            f"{r['losses'][0]:>11.5f}"
+        )
+    print(f"{'ratio':>10} {result['speedup_step']:>7.2f}x   (reference / pfctl)")
+    same = "yes" if result["agrees"] else "NO"
+    print(
+        f"same inputs → first-step loss rel. diff {loss_diff[0]:.1e} (tolerance {tolerance:.0e}): {same}; "
+        f"max over {steps} steps {max(loss_diff):.1e}"
+    )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("work", nargs="?", default="generate", choices=["generate", "train", "all"])
+    parser.add_argument("--reference", type=Path, default=Path("third_party/Pyramid-Flow"))
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument(
+        "--temp", type=int, default=None, help="latent frames (default 16 on CUDA, 3/4 on CPU)"
+    )
+    parser.add_argument(
+        "--resolution", default=None, help="generate: 384p / 768p / WxH (default 384p on CUDA, 64x64 on CPU)"
+    )
+    parser.add_argument("--repeats", type=int, default=2, help="generate: runs per side, the last one timed")
+    parser.add_argument("--steps", type=int, default=None, help="train: steps per side (default 6 on CUDA)")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+
+    Reference, stubbed = import_reference(args.reference.resolve())
+    device = torch.device(
+        "cuda" if (args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())) else "cpu"
+    )
+    result = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "stubbed_reference_imports": stubbed,
+    }
+    if args.work in ("generate", "all"):
+        result["generate"] = side_by_side_generate(args, Reference, device)
+    if args.work in ("train", "all"):
+        result["train"] = side_by_side_train(args, Reference, device)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    if not all(part["agrees"] for key, part in result.items() if key in ("generate", "train")):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
