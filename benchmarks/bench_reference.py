@@ -12,6 +12,9 @@ CLIP-L 768) stand in for the text encoders on both sides.
 * ``train``: the reference runs its own training step (temporal-pyramid noising, DiT, loss,
   AdamW) and the harness records what its DiT and loss receive; pfctl runs its DiT, loss and
   optimizer on exactly those inputs from the same starting weights, so the losses must agree.
+  pfctl's timed step is therefore DiT + loss + backward + optimizer; its own batch building and
+  noising are timed with the whole trainer by ``bench_train.py``. Both optimizers are AdamW with
+  norms and biases exempt from weight decay (the reference's ``create_optimizer``).
 
 The reference is not part of pfctl: clone jy0205/Pyramid-Flow into a git-ignored folder (default
 ``third_party/Pyramid-Flow``) and install ``einops`` (its dependency). To run it on current
@@ -449,7 +452,18 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
         return calculate_loss(preds, targets_list)
 
     ref.calculate_loss = recording_loss
-    ref_opt = torch.optim.AdamW(ref.dit.parameters(), lr=1e-4, weight_decay=1e-4)
+    optimizer_args = {"lr": 1e-4, "weight_decay": 1e-4, "eps": 1e-8, "betas": (0.9, 0.999)}
+    ref_opt = importlib.import_module("trainer_misc").create_optimizer(  # the reference's own AdamW set-up
+        types.SimpleNamespace(
+            opt="adamw",
+            lr=optimizer_args["lr"],
+            weight_decay=optimizer_args["weight_decay"],
+            opt_eps=optimizer_args["eps"],
+            opt_beta1=optimizer_args["betas"][0],
+            opt_beta2=optimizer_args["betas"][1],
+        ),
+        ref.dit,
+    )
 
     def ref_step() -> float:
         batch_text = {
@@ -473,7 +487,7 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
 
     # --- pfctl on the recorded inputs
     dit = load_dit_folder(folder / variant, dtype=torch.float32, device=device).train()
-    opt = build_optimizer(dit, TrainConfig(lr=1e-4, weight_decay=1e-4))
+    opt = build_optimizer(dit, TrainConfig(**optimizer_args))
 
     def pfctl_step(i: int) -> float:
         with autocast:
