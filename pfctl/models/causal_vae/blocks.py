@@ -160,70 +160,63 @@ class MidBlock(nn.Module):
         return self.resnets[1](x, cache)
 
 
-class DownBlock(nn.Module):
+class _ResampleBlock(nn.Module):
+    """Resnets, then optional spatial and temporal resampling (in that order).
+
+    Subclasses name the two resampler lists (the official state-dict keys differ between the
+    encoder's ``downsamplers`` and the decoder's ``upsamplers``) and give their classes.
+    """
+
+    spatial_attr: str
+    temporal_attr: str
+    spatial_cls: type[nn.Module]
+    temporal_cls: type[nn.Module]
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        num_layers: int,
+        spatial: bool,
+        temporal: bool,
+        groups: int,
+        act_fn: str,
+        dropout: float,
+    ) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList(
+            [
+                ResnetBlock(in_channels if i == 0 else out_channels, out_channels, groups, act_fn, dropout)
+                for i in range(num_layers)
+            ]
+        )
+        setattr(self, self.spatial_attr, nn.ModuleList([self.spatial_cls(out_channels)]) if spatial else None)
+        setattr(
+            self, self.temporal_attr, nn.ModuleList([self.temporal_cls(out_channels)]) if temporal else None
+        )
+
+    def forward(self, x: Tensor, cache: FrameCache | None = None) -> Tensor:
+        for resnet in self.resnets:
+            x = resnet(x, cache)
+        for name in (self.spatial_attr, self.temporal_attr):
+            group = getattr(self, name)
+            if group is not None:
+                x = group[0](x, cache)
+        return x
+
+
+class DownBlock(_ResampleBlock):
     """Resnets, then optional spatial and temporal stride-2 convs (in that order)."""
 
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        num_layers: int,
-        spatial: bool,
-        temporal: bool,
-        groups: int,
-        act_fn: str,
-        dropout: float,
-    ) -> None:
-        super().__init__()
-        self.resnets = nn.ModuleList(
-            [
-                ResnetBlock(in_channels if i == 0 else out_channels, out_channels, groups, act_fn, dropout)
-                for i in range(num_layers)
-            ]
-        )
-        self.downsamplers = nn.ModuleList([SpatialDownsample(out_channels)]) if spatial else None
-        self.temporal_downsamplers = nn.ModuleList([TemporalDownsample(out_channels)]) if temporal else None
-
-    def forward(self, x: Tensor, cache: FrameCache | None = None) -> Tensor:
-        for resnet in self.resnets:
-            x = resnet(x, cache)
-        for group in (self.downsamplers, self.temporal_downsamplers):
-            if group is not None:
-                x = group[0](x, cache)
-        return x
+    spatial_attr, temporal_attr = "downsamplers", "temporal_downsamplers"
+    spatial_cls, temporal_cls = SpatialDownsample, TemporalDownsample
 
 
-class UpBlock(nn.Module):
+class UpBlock(_ResampleBlock):
     """Resnets, then optional spatial and temporal depth-to-space upsampling (in that order)."""
 
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        num_layers: int,
-        spatial: bool,
-        temporal: bool,
-        groups: int,
-        act_fn: str,
-        dropout: float,
-    ) -> None:
-        super().__init__()
-        self.resnets = nn.ModuleList(
-            [
-                ResnetBlock(in_channels if i == 0 else out_channels, out_channels, groups, act_fn, dropout)
-                for i in range(num_layers)
-            ]
-        )
-        self.upsamplers = nn.ModuleList([SpatialUpsample(out_channels)]) if spatial else None
-        self.temporal_upsamplers = nn.ModuleList([TemporalUpsample(out_channels)]) if temporal else None
-
-    def forward(self, x: Tensor, cache: FrameCache | None = None) -> Tensor:
-        for resnet in self.resnets:
-            x = resnet(x, cache)
-        for group in (self.upsamplers, self.temporal_upsamplers):
-            if group is not None:
-                x = group[0](x, cache)
-        return x
+    spatial_attr, temporal_attr = "upsamplers", "temporal_upsamplers"
+    spatial_cls, temporal_cls = SpatialUpsample, TemporalUpsample
 
 
 def _run(module: nn.Module, x: Tensor, cache: FrameCache | None, use_checkpoint: bool) -> Tensor:
