@@ -14,7 +14,8 @@ CLIP-L 768) stand in for the text encoders on both sides.
   optimizer on exactly those inputs from the same starting weights, so the losses must agree.
   pfctl's timed step is therefore DiT + loss + backward + optimizer; its own batch building and
   noising are timed with the whole trainer by ``bench_train.py``. Both optimizers are AdamW with
-  norms and biases exempt from weight decay (the reference's ``create_optimizer``).
+  norms and biases exempt from weight decay (the reference's ``create_optimizer``). The cuDNN
+  attention backend is off for both (pfctl's training default: it re-plans for every new shape).
 
 The reference is not part of pfctl: clone jy0205/Pyramid-Flow into a git-ignored folder (default
 ``third_party/Pyramid-Flow``) and install ``einops`` (its dependency). To run it on current
@@ -204,6 +205,11 @@ def _timed(fn, device: torch.device):
     return out, time.perf_counter() - t0, _peak_gib(device)
 
 
+def autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA (a fresh context each time: the reference nests one inside ours)."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def gib(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
@@ -259,10 +265,9 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
     ref.dit.to(device).eval()
     ref.vae.to(device).eval()
     ref.text_encoder = reference_text
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
 
     def run_reference():
-        with torch.no_grad(), autocast, reference_noise_recorder(ref) as record:
+        with torch.no_grad(), autocast(device), reference_noise_recorder(ref) as record:
             latents = ref.generate(
                 prompt=PROMPT,
                 negative_prompt="",
@@ -279,7 +284,7 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
         return latents, record
 
     def decode_reference(latents):
-        with torch.no_grad(), autocast:
+        with torch.no_grad(), autocast(device):
             return ref.decode_latent(latents.clone(), save_memory=True)
 
     ref_runs = [_timed(run_reference, device) for _ in range(args.repeats)]
@@ -399,6 +404,8 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
     from pfctl.training.optim import build_optimizer
 
     cuda = device.type == "cuda"
+    if cuda:  # pfctl's trainer default (train.allow_cudnn_attention=false), applied to both sides alike
+        torch.backends.cuda.enable_cudnn_sdp(False)
     frames = args.temp or (16 if cuda else 4)
     group = 8 if cuda else 2
     latent_h, latent_w = (48, 80) if cuda else (8, 8)
@@ -415,7 +422,6 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
     positive, negative = text.encode(["a red circle moving left"] * 4), text.encode([""])
     gen = torch.Generator().manual_seed(0)
     latents = torch.randn(4, 16, frames, latent_h, latent_w, generator=gen).to(device)  # columns [1, 2, 1]
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
 
     # --- the reference's own step, recording what its DiT and loss receive
     ref = Reference(
@@ -438,7 +444,7 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
         "prompt_attention_mask": negative.prompt_attention_mask[0],
         "pooled_prompt_embed": negative.pooled_prompt_embeds[0],
     }
-    accelerator = types.SimpleNamespace(autocast=lambda: autocast)  # all the reference's call uses
+    accelerator = types.SimpleNamespace(autocast=lambda: autocast(device))  # all the reference's call uses
     inputs: list[dict] = []
     targets: list[list[torch.Tensor]] = []
     ref.dit.register_forward_pre_hook(
@@ -471,7 +477,7 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
             "prompt_attention_mask": positive.prompt_attention_mask.clone(),
             "pooled_prompt_embeds": positive.pooled_prompt_embeds.clone(),
         }
-        with autocast:
+        with autocast(device):
             loss, _ = ref(latents.clone(), batch_text, identifier=["video"], accelerator=accelerator)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(ref.dit.parameters(), 1.0)
@@ -490,7 +496,7 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
     opt = build_optimizer(dit, TrainConfig(**optimizer_args))
 
     def pfctl_step(i: int) -> float:
-        with autocast:
+        with autocast(device):
             preds = dit(**inputs[i])
             loss = flow_matching_loss(preds, targets[i]).loss
         loss.backward()
