@@ -65,6 +65,7 @@ from bench_generate import REAL_VAE, RandomTextEncoder  # noqa: E402
 OPTIONAL_REFERENCE_IMPORTS = ("tensorboardX", "IPython", "timm", "torchvision")
 COVARIANCE_JITTER = 1e-6
 PROMPT = "a red circle moving left"
+VARIANT = "diffusion_transformer_384p"
 CPU_DIT = {
     "num_layers": 1,
     "num_single_layers": 1,
@@ -174,12 +175,41 @@ def write_checkpoint(
         for p in dit.parameters():  # a fresh DiT predicts exactly 0: give it a non-trivial output
             if p.ndim >= 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
-    torch.nn.Module.to(dit, dtype=dtype).save_pretrained(folder / variant)
+    torch.nn.Module.to(dit, dtype=dtype).save_pretrained(folder / VARIANT)
     if vae_config is not None:
         torch.manual_seed(seed)
         vae = torch.nn.Module.to(CausalVideoVAE(**vae_config), dtype=dtype)
         vae.save_pretrained(folder / "causal_video_vae")
     return sum(p.numel() for p in dit.parameters())
+
+
+def prepare_checkpoint(
+    device: torch.device, dtype: torch.dtype, vae_config: dict | None
+) -> tuple[Path, int, RandomTextEncoder]:
+    """A temporary checkpoint folder (removed at exit), the DiT's parameter count, and random text
+    features of the DiT's widths: miniFLUX on CUDA, the small ``CPU_DIT`` on the CPU."""
+    folder = Path(tempfile.mkdtemp(prefix="pfctl-bench-reference-"))
+    atexit.register(shutil.rmtree, folder, True)
+    dit_params = write_checkpoint(
+        folder, VARIANT, {} if device.type == "cuda" else CPU_DIT, vae_config, 0, dtype
+    )
+    dit_config = json.loads((folder / VARIANT / "config.json").read_text())
+    text = RandomTextEncoder(
+        128, dit_config["joint_attention_dim"], dit_config["pooled_projection_dim"], device, dtype
+    )
+    return folder, dit_params, text
+
+
+def open_reference(Reference: type, folder: Path, device: torch.device, **kwargs: object) -> object:
+    """The reference pipeline on ``folder`` (miniFLUX layout, no text encoders: the harness feeds features)."""
+    return Reference(
+        str(folder),
+        model_dtype="bf16" if device.type == "cuda" else "fp32",
+        model_name="pyramid_flux",
+        model_variant=VARIANT,
+        load_text_encoder=False,
+        **kwargs,
+    )
 
 
 def _sync(device: torch.device) -> None:
@@ -235,31 +265,18 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
     steps = ([20, 20, 20], [10, 10, 10]) if cuda else ([1, 1, 1], [1, 1, 1])
     cfg = (7.0, 5.0)
     dtype = torch.bfloat16 if cuda else torch.float32
-    variant = "diffusion_transformer_384p"
-    folder = Path(tempfile.mkdtemp(prefix="pfctl-bench-reference-"))
-    atexit.register(shutil.rmtree, folder, True)
-    dit_params = write_checkpoint(
-        folder, variant, {} if cuda else CPU_DIT, REAL_VAE if cuda else TINY_CAUSAL_VAE_CONFIG, 0, dtype
-    )
-
-    # the same text features on both sides
-    dit_config = json.loads((folder / variant / "config.json").read_text())
-    text = RandomTextEncoder(
-        128, dit_config["joint_attention_dim"], dit_config["pooled_projection_dim"], device, dtype
-    )
-    positive, negative = text.encode([PROMPT]), text.encode([""])
+    folder, dit_params, text = prepare_checkpoint(device, dtype, REAL_VAE if cuda else TINY_CAUSAL_VAE_CONFIG)
+    positive, negative = text.encode([PROMPT]), text.encode([""])  # the same features on both sides
 
     def reference_text(prompt, device_):
         e = negative if prompt == "" else positive
         return e.prompt_embeds, e.prompt_attention_mask, e.pooled_prompt_embeds
 
     # --- the reference
-    ref = Reference(
-        str(folder),
-        model_dtype="bf16" if cuda else "fp32",
-        model_name="pyramid_flux",
-        model_variant=variant,
-        load_text_encoder=False,
+    ref = open_reference(
+        Reference,
+        folder,
+        device,
         load_vae=True,
     )
     ref.dit.to(device).eval()
@@ -297,7 +314,7 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
         torch.cuda.empty_cache()
 
     # --- pfctl, loading the same folder with its own code
-    dit = load_dit_folder(folder / variant, dtype=dtype, device=device).eval()
+    dit = load_dit_folder(folder / VARIANT, dtype=dtype, device=device).eval()
     vae = load_vae(str(folder / "causal_video_vae"), dtype=dtype, device=device)
     conditioning = TextConditioning.from_pair(positive, negative)
     common = dict(
@@ -411,25 +428,16 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
     latent_h, latent_w = (48, 80) if cuda else (8, 8)
     steps = args.steps or (6 if cuda else 3)
     warmup = min(2, steps - 1) if cuda else 1
-    variant = "diffusion_transformer_384p"
-    folder = Path(tempfile.mkdtemp(prefix="pfctl-bench-reference-"))
-    atexit.register(shutil.rmtree, folder, True)
-    dit_params = write_checkpoint(folder, variant, {} if cuda else CPU_DIT, None, 0, torch.float32)
-    dit_config = json.loads((folder / variant / "config.json").read_text())
-    text = RandomTextEncoder(
-        128, dit_config["joint_attention_dim"], dit_config["pooled_projection_dim"], device, torch.float32
-    )
-    positive, negative = text.encode(["a red circle moving left"] * 4), text.encode([""])
+    folder, dit_params, text = prepare_checkpoint(device, torch.float32, None)
+    positive, negative = text.encode([PROMPT] * 4), text.encode([""])
     gen = torch.Generator().manual_seed(0)
     latents = torch.randn(4, 16, frames, latent_h, latent_w, generator=gen).to(device)  # columns [1, 2, 1]
 
     # --- the reference's own step, recording what its DiT and loss receive
-    ref = Reference(
-        str(folder),
-        model_dtype="bf16" if cuda else "fp32",
-        model_name="pyramid_flux",
-        model_variant=variant,
-        load_text_encoder=False,
+    ref = open_reference(
+        Reference,
+        folder,
+        device,
         load_vae=False,
         use_mixed_training=True,
         max_temporal_length=frames,
@@ -492,7 +500,7 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
         torch.cuda.empty_cache()
 
     # --- pfctl on the recorded inputs
-    dit = load_dit_folder(folder / variant, dtype=torch.float32, device=device).train()
+    dit = load_dit_folder(folder / VARIANT, dtype=torch.float32, device=device).train()
     opt = build_optimizer(dit, TrainConfig(**optimizer_args))
 
     def pfctl_step(i: int) -> float:
