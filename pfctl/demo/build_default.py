@@ -87,7 +87,7 @@ def assemble(
 ) -> Path:
     """Write the official layout + manifest into ``out`` (replaced atomically as a folder)."""
     from pfctl.models.embedded import EMBEDDED_NAME, MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION
-    from pfctl.utils.io import atomic_write_json
+    from pfctl.utils.io import atomic_write_json, replace_dir
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
@@ -120,13 +120,7 @@ def assemble(
             "files": _files_with_hashes(tmp),
         }
         atomic_write_json(tmp / MANIFEST_NAME, manifest)
-        if out.exists():
-            old = out.parent / f".{out.name}-old-{os.getpid()}"
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -667,7 +667,7 @@ def save_export(
     non-empty folder there is refused. ``base_model_path`` (the official folder the DiT was
     trained from) supplies the VAE and text encoders when the export is loaded.
     """
-    from pfctl.utils.io import atomic_write_json, atomic_write_text
+    from pfctl.utils.io import atomic_write_json, atomic_write_text, replace_dir
 
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / EXPORT_MARKER).is_file())):
@@ -710,13 +710,7 @@ def save_export(
             "extra": dict(extra or {}),
         }
         atomic_write_json(staging / EXPORT_MARKER, marker)
-        if out.exists():
-            trash = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, trash)
-            os.replace(staging, out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(staging, out)
+        replace_dir(staging, out)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)

@@ -308,7 +308,7 @@ def save_lora_folder(
     """Write a LoRA export (layout in the module docstring): staged in a hidden sibling, renamed
     into place, marker last. Replaces an existing LoRA folder; refuses any other non-empty folder."""
     from pfctl import __version__
-    from pfctl.utils.io import atomic_write_json, atomic_write_text
+    from pfctl.utils.io import atomic_write_json, atomic_write_text, replace_dir
 
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / LORA_MARKER).is_file())):
@@ -333,13 +333,7 @@ def save_lora_folder(
             write_adapter_files(staging / "ema", ema_state, adapter_config)
             atomic_write_json(staging / "ema" / LORA_MARKER, {**full, "ema": None, "is_ema": True})
         atomic_write_json(staging / LORA_MARKER, {**full, "ema": "ema" if ema_state is not None else None})
-        if out.exists():
-            trash = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, trash)
-            os.replace(staging, out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(staging, out)
+        replace_dir(staging, out)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)

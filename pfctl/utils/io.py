@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -68,6 +69,23 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
 
 def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def replace_dir(staging: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+    """Move the finished folder ``staging`` to ``out``, replacing any folder there.
+
+    The old folder is first renamed aside (same parent), so ``out`` is always either the old or
+    the new complete folder, never a mix; the old one is deleted afterwards.
+    """
+    staging, out = Path(staging), Path(out)
+    if out.exists():
+        trash = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, trash)
+        os.replace(staging, out)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(staging, out)
+    return out
 
 
 def atomic_save_safetensors(
