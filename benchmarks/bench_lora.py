@@ -172,11 +172,11 @@ def main() -> None:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
             results.append({"config": name, "error": " | ".join(tail)})
             print(f"{name}: failed: {results[-1]['error']}", file=sys.stderr)
-            continue
-        results.append(json.loads(line[len("RESULT ") :]))
-        print(f"{name}: done", file=sys.stderr)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        else:
+            results.append(json.loads(line[len("RESULT ") :]))
+            print(f"{name}: {line[len('RESULT ') :]}", file=sys.stderr)
+        if args.json:  # after every configuration, so a run cut short keeps what it measured
+            Path(args.json).write_text(json.dumps(results, indent=2))
     print(f"\npfctl LoRA memory benchmark: {args.preset}, rank {args.rank}, {args.frames} latent frames "
           f"{args.height}x{args.width}, batch 4, bf16 autocast")  # fmt: skip
     head = f"{'config':<20} {'step ms':>9} {'peak GiB':>9} {'est. GiB':>9} {'meas/est':>9}"
