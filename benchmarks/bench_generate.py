@@ -113,6 +113,7 @@ def main() -> None:
     parser.add_argument("--decode-tile", type=int, default=256)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--offload", action="store_true")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="run every DiT call eagerly")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
 
@@ -154,6 +155,7 @@ def main() -> None:
         f"generate.dtype={'bf16' if cuda else 'fp32'}",
         f"generate.compile={str(args.compile).lower()}",
         f"generate.offload={str(args.offload).lower()}",
+        f"generate.cuda_graphs={str(not args.no_cuda_graphs).lower()}",
         "generate.seed=0",
     ]
     config = load_config(None, overrides)
@@ -176,6 +178,8 @@ def main() -> None:
         "temp": temp,
         "frames": report.videos[0].num_frames,
         "dit_calls_cfg_batch2": dit_calls,
+        "cuda_graphs": cuda and not args.no_cuda_graphs,
+        "compile": cuda and args.compile,
         "build_s": build_s,
         "videos": rows,
         "seconds_per_video": sum(r["total_s"] for r in steady) / len(steady),
@@ -189,7 +193,8 @@ def main() -> None:
 
     print()
     print(f"pfctl generate benchmark — {result['device']}, {preset} ({dit_params / 1e9:.2f}B) + causal VAE "
-          f"({vae_params / 1e6:.0f}M), {result['dtype']}")  # fmt: skip
+          f"({vae_params / 1e6:.0f}M), {result['dtype']}, CUDA graphs {'on' if result['cuda_graphs'] else 'off'}, "
+          f"compile {'on' if result['compile'] else 'off'}")  # fmt: skip
     print(f"{'size':>10} {'temp':>5} {'frames':>7} {'DiT calls':>10} {'sample s':>9} {'decode s':>9} "
           f"{'s/video':>8} {'ms/call':>8} {'peak GiB':>9}")  # fmt: skip
     peak = f"{result['peak_memory_gib']:.1f}" if result["peak_memory_gib"] is not None else "-"

@@ -327,6 +327,7 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
         video_guidance_scale=cfg[1],
         dtype=dtype,
         device=device,
+        cuda_graphs=not args.no_cuda_graphs,
     )
 
     def run_pfctl(**noise):
@@ -577,6 +578,7 @@ def main() -> None:
         "--resolution", default=None, help="generate: 384p / 768p / WxH (default 384p on CUDA, 64x64 on CPU)"
     )
     parser.add_argument("--repeats", type=int, default=2, help="generate: runs per side, the last one timed")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="generate: pfctl without CUDA graphs")
     parser.add_argument("--steps", type=int, default=None, help="train: steps per side (default 6 on CUDA)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()

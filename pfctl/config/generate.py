@@ -132,6 +132,9 @@ class GenerateConfig(Section):
     (encode prompts → sample → decode); saves several GB of GPU memory."""
     compile: bool = False
     """``torch.compile`` the DiT (slow first video, faster later ones; CUDA only)."""
+    cuda_graphs: bool = True
+    """Replay each stage's DiT forward as a CUDA graph after its first step: the same kernels
+    without the launch overhead that dominates the small low-resolution calls (CUDA only)."""
 
     @field_validator("num_inference_steps", "video_num_inference_steps")
     @classmethod

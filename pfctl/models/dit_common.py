@@ -609,6 +609,13 @@ class BlockCheckpointing:
     def blocks_in_order(self) -> list[tuple[str, nn.Module]]:  # pragma: no cover - overridden
         raise NotImplementedError
 
+    def compile_blocks(self, backend: str = "inductor") -> None:
+        """``torch.compile`` every transformer block in place, with dynamic shapes: one compiled graph per
+        block type serves every token count (the pyramid changes it every call), and the state-dict keys
+        stay as they are. Fuses the elementwise work around the matmuls (norms, RoPE, modulation)."""
+        for _, block in self.blocks_in_order():
+            block.compile(dynamic=True, backend=backend)
+
     def checkpointed_block_names(self) -> list[str]:
         """Names (state-dict prefixes) of the blocks that are checkpointed when checkpointing is on."""
         blocks = self.blocks_in_order()

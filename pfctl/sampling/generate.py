@@ -661,10 +661,9 @@ def run_generate(
 
     if offload:
         _move(dit, device)
-    sampler_dit = dit
     if gen.compile:
         if device.type == "cuda":
-            sampler_dit = torch.compile(dit)
+            dit.compile_blocks()
         else:
             pflog.log("generate.compile is ignored on the CPU")
 
@@ -760,7 +759,7 @@ def run_generate(
                 bar.update(1, unit=event["unit"], stage=event["stage"])
 
             latents = generate_latents(
-                sampler_dit,
+                dit,
                 text,
                 temp=job.temp,
                 height=latent_h,
@@ -780,6 +779,7 @@ def run_generate(
                 latent_channels=latent_channels,
                 exact_stage_end=gen.exact_stage_end,
                 reference_compat=gen.reference_compat,
+                cuda_graphs=gen.cuda_graphs,
                 on_dit_call=on_call,
             )
             t_sample = time.perf_counter() - t0

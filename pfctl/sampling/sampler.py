@@ -166,6 +166,7 @@ def generate_latents(
     scheduler: PyramidFlowScheduler | None = None,
     exact_stage_end: bool = False,
     reference_compat: bool = False,
+    cuda_graphs: bool = False,
     callback: Callable[[int, int], None] | None = None,
     on_dit_call: Callable[[dict[str, Any]], None] | None = None,
 ) -> torch.Tensor:
@@ -191,6 +192,9 @@ def generate_latents(
         reference_compat: reproduce the reference's numerics where pfctl fixes a quirk: i2v unit u
             starts from noise frame u - 1 (pfctl: frame u, as t2v), and linear guidance overwrites
             both scales (see :func:`guidance_schedule`).
+        cuda_graphs: replay each stage's DiT forward as a CUDA graph after its first step
+            (:class:`pfctl.sampling.cuda_graph.StageGraph`: same kernels, no launch overhead);
+            ignored off CUDA.
         exact_stage_end: use n full Euler steps per stage (see
             :meth:`PyramidFlowScheduler.set_timesteps`); the default reproduces the reference grid.
         callback: ``callback(unit, num_units)`` before each unit.
@@ -216,6 +220,10 @@ def generate_latents(
         )
     if device is None:
         device = text.prompt_embeds.device
+    if cuda_graphs and torch.device(device).type == "cuda":
+        from pfctl.sampling.cuda_graph import StageGraph
+    else:
+        cuda_graphs = False
     batch = text.batch_size
     shape = (batch, latent_channels, int(temp), int(height), int(width))
 
@@ -277,11 +285,12 @@ def generate_latents(
             if stage > 0:
                 x = upsample_nearest2(x)
                 x = scheduler.renoise(x, stage, next_block_noise(tuple(x.shape)))
+            call_dit = StageGraph(dit) if cuda_graphs else dit
             for i, t, sigma, sigma_next in schedule.steps():
                 model_input = torch.cat([x, x], dim=0) if cfg else x
                 timestep = t.expand(model_input.shape[0]).to(device=device, dtype=model_input.dtype)
                 clips = [*history[stage], model_input]
-                out = dit(
+                out = call_dit(
                     sample=[clips],
                     timestep_ratio=timestep,
                     encoder_hidden_states=embeds,
@@ -310,6 +319,8 @@ def generate_latents(
                         }
                     )
                 x = scheduler.step(v, x, sigma, sigma_next)
+            if cuda_graphs:
+                call_dit.release()
         generated.append(x)
 
     return torch.cat(generated, dim=2)
