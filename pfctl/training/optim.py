@@ -55,7 +55,9 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
             groups, lr=cfg.lr, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8, beta1=None,
             scale_parameter=False, relative_step=False, warmup_init=False,
         )  # fmt: skip
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    # one fused kernel per step on the GPU (foreach on the CPU); same update, fewer passes over memory
+    fused = all(p.is_cuda for group in groups for p in group["params"]) or None
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
 
 
 def optimizer_state_bytes(shape: tuple[int, ...], optimizer: str) -> int:
