@@ -17,20 +17,27 @@ peak ≈ weights + gradients + optimizer state + EMA + autocast weight copies + 
 
   - double-stream block, per stream (image tokens; text tokens likewise):
     attention: ``f·D`` (layer-norm input) + ``f·D``\\* (its output, for the modulation's grad)
-    + ``a·D``° (q/k/v input) + ``2f·D`` (RMS-norm inputs of q, k) + ``2f·D``\\* (their normalised values,
-    for the norm weights) + ``3a·D`` (SDPA q, k, v) + ``a·D`` (SDPA output) + ``a·D``° (to_out input)
-    + ``a·D``\\* (gated branch); MLP: ``f·D`` + ``f·D``\\* + ``a·D``° + ``4a·D`` (GELU input)
-    + ``4a·D``° (fc2 input) + ``a·D``\\*;
+    + ``a·D``° (q input) + ``2c·D``° (k and v inputs) + ``2f·D`` + ``2c·D`` (RMS-norm inputs of q, k:
+    the fp32 upcast and the original) + ``2f·D``\\* (their normalised values, for the norm weights)
+    + ``3a·D`` (SDPA q, k, v) + ``a·D`` (SDPA output)
+    + ``a·D``° (to_out input) + ``a·D``\\* (gated branch); MLP: ``f·D`` + ``f·D``\\* + ``a·D``°
+    + ``4a·D`` (GELU input) + ``4a·D``° (fc2 input) + ``a·D``\\*;
   - single-stream block (``L + n`` joint tokens per column): ``f·D`` + ``f·D``\\* + ``a·D``°
-    + ``4a·D`` (GELU input) + ``2f·D`` + ``2f·D``\\* + ``3a·D`` + ``a·D`` + ``5a·D``° (proj_out input)
-    + ``a·D``\\*;
-  - ``*`` = kept only when the modulation / norm weights train (full fine-tuning), ``°`` = kept only
+    + ``3c·D``° (k, v and MLP inputs) + ``4a·D`` (GELU input) + ``2f·D`` + ``2c·D`` + ``2f·D``\\* + ``3a·D``
+    + ``a·D`` + ``5a·D``° (proj_out input) + ``a·D``\\*;
+  - ``c`` = ``a`` under autocast, else 0: autocast casts a Linear's fp32 input for that call alone, so
+    the q, k, v (and single-stream MLP) projections of one normalised input each keep their own bf16
+    copy; without autocast they share one tensor (likewise a bf16 q/k and its fp32 upcast in the RMS norm).
+  - ``*`` = kept only when the modulation weights train (full fine-tuning), ``°`` = kept only
     when that Linear trains (full) or carries an adapter (LoRA: + ``a·r`` for the adapter's inner
-    activation). Full fine-tuning: double 25 D elements per stream token, single 21 D.
+    activation).
   - the rest (embedders, final norm, output projection, loss): ``(3f + 2a)·D`` per image token.
 
   Gradient checkpointing on the first ``floor(blocks · ratio)`` blocks keeps only their input (the
   residual stream, ``a·D`` per token and stream) plus, during backward, one block's full recompute.
+* **backward overlap**: gradients (set to None after every optimizer step) appear during backward while
+  the saved tensors are released block by block, so the peak holds the larger of the two, not their
+  sum; with ``grad_accum > 1`` the gradients already exist when the next forward starts.
 * **masks**: SDPA materialises each column's boolean mask as an additive bias ``[Bc, 1, S, S]`` in the
   compute dtype, kept per attention call of every non-checkpointed block.
 
@@ -53,17 +60,20 @@ FP32 = 4
 #: Elements (x D) per token kept by a double-stream block stream: (elements, kind, condition)
 #: kind: "f" = always fp32, "a" = compute dtype; condition: "always" | "modulation" (full fine-tuning
 #: only) | the Linear whose input it is (kept when that Linear trains or carries an adapter).
+#: "c": the bf16 copy autocast makes of a Linear's fp32 input for that call alone (not shared between the
+#: q/k/v projections reading the same tensor; absent without autocast). The same holds for the bf16 q/k
+#: an RMS norm multiplies in fp32: its fp32 upcast and the bf16 original are two tensors under autocast.
 DOUBLE_STREAM: tuple[tuple[float, str, str], ...] = (
-    (1, "f", "always"), (1, "f", "modulation"), (1, "a", "attn.to_q"), (2, "f", "always"),
-    (2, "f", "modulation"), (3, "a", "always"), (1, "a", "always"), (1, "a", "attn.to_out.0"),
-    (1, "a", "modulation"),
+    (1, "f", "always"), (1, "f", "modulation"), (1, "a", "attn.to_q"), (1, "c", "attn.to_k"),
+    (1, "c", "attn.to_v"), (2, "f", "always"), (2, "c", "always"), (2, "f", "modulation"), (3, "a", "always"),
+    (1, "a", "always"), (1, "a", "attn.to_out.0"), (1, "a", "modulation"),
     (1, "f", "always"), (1, "f", "modulation"), (1, "a", "ff.net.0.proj"), (4, "a", "always"),
     (4, "a", "ff.net.2"), (1, "a", "modulation"),
 )  # fmt: skip
 SINGLE_STREAM: tuple[tuple[float, str, str], ...] = (
-    (1, "f", "always"), (1, "f", "modulation"), (1, "a", "attn.to_q"), (4, "a", "always"),
-    (2, "f", "always"), (2, "f", "modulation"), (3, "a", "always"), (1, "a", "always"),
-    (5, "a", "proj_out"), (1, "a", "modulation"),
+    (1, "f", "always"), (1, "f", "modulation"), (1, "a", "attn.to_q"), (1, "c", "attn.to_k"),
+    (1, "c", "attn.to_v"), (1, "c", "proj_mlp"), (4, "a", "always"), (2, "f", "always"), (2, "c", "always"),
+    (2, "f", "modulation"), (3, "a", "always"), (1, "a", "always"), (5, "a", "proj_out"), (1, "a", "modulation"),
 )  # fmt: skip
 HEAD = ((3, "f"), (2, "a"))
 #: adapted Linears an image/text token passes through per block (for the adapter's r-sized activation)
@@ -71,7 +81,8 @@ DOUBLE_ADAPTED = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.ne
 DOUBLE_ADAPTED_TEXT = ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
                        "ff_context.net.0.proj", "ff_context.net.2")  # fmt: skip
 SINGLE_ADAPTED = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp", "proj_out")
-TEXT_TWIN = {"attn.to_q": "attn.add_q_proj", "attn.to_out.0": "attn.to_add_out",
+TEXT_TWIN = {"attn.to_q": "attn.add_q_proj", "attn.to_k": "attn.add_k_proj", "attn.to_v": "attn.add_v_proj",
+             "attn.to_out.0": "attn.to_add_out",
              "ff.net.0.proj": "ff_context.net.0.proj", "ff.net.2": "ff_context.net.2"}  # fmt: skip
 
 
@@ -143,6 +154,7 @@ def estimate_memory(
     ema: bool = False,
     gradient_checkpointing: bool = False,
     checkpointing_ratio: float = 0.75,
+    grad_accum: int = 1,
 ) -> MemoryEstimate:
     """The estimate for ``model`` (real or on the meta device; without adapters injected) training on
     ``workload``. ``lora_targets``: full names of the adapted Linears (None = full fine-tuning)."""
@@ -196,10 +208,10 @@ def estimate_memory(
         suffix = TEXT_TWIN.get(cond, cond) if text else cond
         return not lora or f"{block}.{suffix}" in targets
 
+    size = {"f": FP32, "a": a, "c": a if a != FP32 else 0}
+
     def stream_bytes(table: Iterable[tuple[float, str, str]], block: str, text: bool = False) -> float:
-        return (
-            sum(e * (FP32 if kind == "f" else a) for e, kind, cond in table if keeps(cond, block, text)) * dim
-        )
+        return sum(e * size[kind] for e, kind, cond in table if keeps(cond, block, text)) * dim
 
     per_block, boundary = [], []
     for name, kind in blocks:
@@ -239,6 +251,12 @@ def estimate_memory(
         est.rows.append(
             ("autocast weight copies", copied * 2, "bf16 casts of fp32 block weights kept for backward")
         )
+
+    # -- backward: gradients are allocated as the saved tensors are released -----------------------
+    if grad_accum == 1:  # (with accumulation the previous micro-batches' gradients are already there)
+        saved = sum(b for n, b, _ in est.rows if n.startswith(("activations", "attention", "autocast")))
+        overlap = min(saved, est.get("gradients"))
+        est.rows.append(("backward overlap", -overlap, "gradients fill memory the saved tensors free"))
     return est
 
 

@@ -260,6 +260,7 @@ def estimate_for_run(config: Any, cache: Any, clips: list[ClipInfo]) -> Any:
         base_dtype=train.base_dtype, compute_dtype="bf16" if precision == "bf16" else "fp32",
         optimizer=train.optimizer, ema=train.ema_decay is not None,
         gradient_checkpointing=train.gradient_checkpointing, checkpointing_ratio=train.gradient_checkpointing_ratio,
+        grad_accum=train.grad_accum,
     )  # fmt: skip
     estimate.notes.append(
         f"worst-case forward: bucket {frames}x{height}x{width} latents, {len(stages)} columns of {per_column}, "
