@@ -84,6 +84,7 @@ def test_compiled_blocks_trace_once_for_every_token_count():
 
 
 @gpu
+@torch.no_grad()
 def test_stage_graph_replays_the_eager_result():
     dit = tiny_dit().cuda()
     calls = []
