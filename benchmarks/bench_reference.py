@@ -315,6 +315,8 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
 
     # --- pfctl, loading the same folder with its own code
     dit = load_dit_folder(folder / VARIANT, dtype=dtype, device=device).eval()
+    if args.compile and cuda:
+        dit.compile_blocks()  # the first timed run pays the compilation; the last one is reported
     vae = load_vae(str(folder / "causal_video_vae"), dtype=dtype, device=device)
     conditioning = TextConditioning.from_pair(positive, negative)
     common = dict(
@@ -363,6 +365,7 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
         "steps": steps,
         "cfg": cfg,
         "covariance_jitter": COVARIANCE_JITTER,
+        "pfctl_options": {"cuda_graphs": cuda and not args.no_cuda_graphs, "compile": cuda and args.compile},
         "reference": {
             "sample_s": ref_sample_s,
             "decode_s": ref_decode_s,
@@ -389,7 +392,8 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
 
     print()
     print(f"generate side by side — miniFLUX-architecture DiT ({dit_params / 1e6:,.0f}M params), "
-          f"{result['dtype']}, {width}x{height}, temp {temp}, steps {steps[0]}/{steps[1]}, CFG {cfg[0]}/{cfg[1]}")  # fmt: skip
+          f"{result['dtype']}, {width}x{height}, temp {temp}, steps {steps[0]}/{steps[1]}, CFG {cfg[0]}/{cfg[1]}; "
+          f"pfctl {result['pfctl_options']}")  # fmt: skip
     print(f"{'':>10} {'sample s':>9} {'decode s':>9} {'total s':>8} {'peak GiB (sample/decode)':>25}")
     for name, r in (("reference", result["reference"]), ("pfctl", result["pfctl"])):
         peaks = f"{gib(r['sample_peak_gib'])} / {gib(r['decode_peak_gib'])}"
@@ -579,6 +583,7 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=2, help="generate: runs per side, the last one timed")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="generate: pfctl without CUDA graphs")
+    parser.add_argument("--compile", action="store_true", help="generate: pfctl with compiled DiT blocks")
     parser.add_argument("--steps", type=int, default=None, help="train: steps per side (default 6 on CUDA)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()

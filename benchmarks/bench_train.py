@@ -63,7 +63,6 @@ def main() -> None:
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--profile", action="store_true", help="print the top ops of one profiled step")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the DiT blocks (train.compile)")
     parser.add_argument(
         "--cudnn-sdpa", action="store_true", help="allow the cuDNN SDPA backend (plans per shape)"
     )
@@ -105,7 +104,6 @@ def main() -> None:
             "train.gradient_checkpointing": args.gradient_checkpointing,
             # cuDNN SDPA plans per shape (~4 ms CPU per call with the pyramid's changing lengths)
             "train.allow_cudnn_attention": args.cudnn_sdpa,
-            "train.compile": args.compile,
         }
         config = load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
         trainer = Trainer(config)
@@ -162,7 +160,6 @@ def main() -> None:
         ("precision", "bf16 autocast, fp32 master weights" if cuda else "fp32"),
         ("gradient checkpointing", str(args.gradient_checkpointing)),
         ("cuDNN SDPA backend", "allowed" if args.cudnn_sdpa else "off"),
-        ("compiled blocks", str(args.compile and cuda)),
         ("steps timed (warmup)", f"{steps} ({warmup})"),
         ("step time median / mean", f"{step_s * 1e3:.1f} ms / {mean_s * 1e3:.1f} ms"),
         ("steps/s", f"{1 / mean_s:.2f}"),

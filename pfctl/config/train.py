@@ -151,9 +151,6 @@ class TrainConfig(Section):
     fsdp: Literal["none", "shard_grad_op", "full_shard"] = "none"
     """FSDP through accelerate: shard_grad_op = ZeRO-2, full_shard = ZeRO-3."""
     fsdp_cpu_offload: bool = False
-    compile: bool = False
-    """``torch.compile`` each DiT block (dynamic shapes: one compilation serves every column length;
-    CUDA only, not with FSDP). Fuses the norms, RoPE and modulation around the matmuls."""
     allow_cudnn_attention: bool = False
     """Let SDPA pick cuDNN attention on CUDA. Off by default: it plans per shape, and the pyramid's
     column lengths change every step (measured on an H200: 3.3x slower miniFLUX steps)."""
@@ -236,11 +233,6 @@ def check_train_constraints(train: TrainConfig, world_size: int) -> None:
         raise ConfigError(
             f"train.lora.enabled=true with train.fsdp={train.fsdp}: LoRA runs are not sharded in this version",
             hint="use train.fsdp=none (several GPUs still work: data parallel), or full fine-tuning with FSDP",
-        )
-    if train.compile and train.fsdp != "none":
-        raise ConfigError(
-            f"train.compile=true with train.fsdp={train.fsdp}: compiled blocks are not sharded in this version",
-            hint="use train.fsdp=none (data parallel) with train.compile, or leave train.compile=false",
         )
     if train.heldout_clips == 0 and train.eval_every is not None:
         raise ConfigError(

@@ -333,11 +333,6 @@ class Trainer:
                 load_lora_state(model, self.loaded.model_state, source=self.resume_from / "model")
             else:
                 model.load_state_dict(self.loaded.model_state, strict=True)
-        if cfg.compile:
-            if rt.device.type == "cuda":
-                model.compile_blocks()
-            else:
-                pflog.log("train.compile is ignored on the CPU")
         self.flow = PyramidFlowScheduler()
         self.model = rt.accelerator.prepare(model)
         self.unwrapped = rt.accelerator.unwrap_model(self.model)
