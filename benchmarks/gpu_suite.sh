@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite in one call (2x H200: single-GPU benchmarks on GPU 0, then the
 # 2-process sync-group run and the FSDP tests on both). Results: $OUT (or ./bench-out).
-# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,train_ckpt,sync,fsdp,reference]
+# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,train_ckpt,sync,fsdp,generate,lora,reference]
 # (reference: needs a Pyramid-Flow checkout in third_party/Pyramid-Flow and einops; not in the default list)
 set -uo pipefail
 OUT="${OUT:-bench-out}"; mkdir -p "$OUT"
@@ -21,6 +21,16 @@ esac
 case ",$STEPS," in *,fsdp,*)
   echo "=== FSDP tests (2 GPUs)"; python -m pytest -q -p no:cacheprovider tests/integration/test_train_fsdp.py 2>&1 | tail -6;;
 esac
+case ",$STEPS," in *,generate,*)
+  echo "=== generate 5 s 384p (GPU 0): CUDA graphs, then + compiled blocks"
+  CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_generate.py --device cuda --json "$OUT/generate.json" 2>&1 | tail -3
+  CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_generate.py --device cuda --compile --videos 3 --json "$OUT/generate_compile.json" 2>&1 | tail -3;;
+esac
+case ",$STEPS," in *,lora,*)
+  echo "=== LoRA memory levers (GPU 0)"; CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_lora.py --json "$OUT/lora.json" 2>&1 | tail -10;;
+esac
 case ",$STEPS," in *,reference,*)
-  echo "=== side by side with the reference (GPU 0, miniFLUX 384p: generate 5 s, train step)"; CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_reference.py all --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference.json" 2>&1 | tail -16;;
+  echo "=== side by side with the reference (GPU 0, miniFLUX 384p: generate 5 s, train step; then generate with compiled blocks)"
+  CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_reference.py all --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference.json" 2>&1 | tail -16
+  CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_reference.py generate --compile --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_compile.json" 2>&1 | tail -6;;
 esac
