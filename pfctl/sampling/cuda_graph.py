@@ -77,6 +77,7 @@ class StageGraph:
         self._inputs: list[torch.Tensor] = []
         self._outputs: tuple[list[torch.Tensor], Any] | None = None
         self._stream: torch.cuda.Stream | None = None
+        self._device: torch.device | None = None  # the inputs' GPU: streams and graphs live there
         self._disabled = False
 
     def __call__(self, **kwargs: Any) -> Any:
@@ -88,9 +89,17 @@ class StageGraph:
         if key != self._key:  # first call of this signature: eager warm-up on a side stream
             self.release()
             self._key = key
-            return self._on_side_stream(lambda: self.fn(**kwargs))
-        if self._graph is None and not self._capture(leaves, spec):
-            return self.fn(**kwargs)
+            self._device = next((t.device for t in leaves if t.is_cuda), None)
+            if self._device is None:  # nothing on a GPU: nothing to capture
+                self._disabled = True
+                return self.fn(**kwargs)
+            with torch.cuda.device(self._device):
+                return self._on_side_stream(lambda: self.fn(**kwargs))
+        if self._graph is None:
+            with torch.cuda.device(self._device):
+                captured = self._capture(leaves, spec)
+            if not captured:
+                return self.fn(**kwargs)
         for static, value in zip(self._inputs, leaves, strict=True):
             static.copy_(value)
         self._graph.replay()
@@ -103,8 +112,8 @@ class StageGraph:
         self._key, self._graph, self._inputs, self._outputs = None, None, [], None
 
     def _on_side_stream(self, work: Callable[[], Any]) -> Any:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
+        if self._stream is None or self._stream.device != self._device:
+            self._stream = torch.cuda.Stream(self._device)
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
             result = work()

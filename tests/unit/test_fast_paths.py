@@ -118,3 +118,16 @@ def test_cuda_graph_sampling_equals_eager_sampling():
     torch.testing.assert_close(
         _sample(dit, "cuda", cuda_graphs=True), _sample(dit, "cuda"), rtol=1e-5, atol=1e-5
     )
+
+
+def test_stage_graph_runs_cpu_inputs_eagerly():
+    calls = []
+
+    def fn(**kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return kwargs["x"] * 2
+
+    runner = StageGraph(fn)
+    for _ in range(3):
+        assert torch.equal(runner(x=torch.ones(2)), torch.full((2,), 2.0))
+    assert len(calls) == 3 and runner.replays == 0
