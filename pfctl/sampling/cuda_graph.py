@@ -70,7 +70,6 @@ class StageGraph:
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
-        self.calls = 0
         self.replays = 0
         self._key: tuple | None = None
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -81,7 +80,6 @@ class StageGraph:
         self._disabled = False
 
     def __call__(self, **kwargs: Any) -> Any:
-        self.calls += 1
         leaves, spec = flatten_tensors(kwargs)
         if self._disabled:
             return self.fn(**kwargs)

@@ -21,6 +21,7 @@ import torch
 from pfctl.errors import ConfigError, InputError
 from pfctl.flow.pyramid import history_clips, pyramid_latents, pyramid_noise, upsample_nearest2
 from pfctl.flow.scheduler import PyramidFlowScheduler
+from pfctl.sampling.cuda_graph import StageGraph
 
 __all__ = ["TextConditioning", "generate_latents", "guidance_schedule"]
 
@@ -220,10 +221,7 @@ def generate_latents(
         )
     if device is None:
         device = text.prompt_embeds.device
-    if cuda_graphs and torch.device(device).type == "cuda":
-        from pfctl.sampling.cuda_graph import StageGraph
-    else:
-        cuda_graphs = False
+    cuda_graphs = cuda_graphs and torch.device(device).type == "cuda"
     batch = text.batch_size
     shape = (batch, latent_channels, int(temp), int(height), int(width))
 
