@@ -355,9 +355,9 @@ def _check_pyramid(pyramid: Sequence[torch.Tensor], scheduler: PyramidFlowSchedu
 
 def _draw_ratio(scheduler: PyramidFlowScheduler, stage: int, u: torch.Tensor, device):
     n = scheduler.num_train_timesteps
-    idx = (u * n).long().clamp(0, n - 1).cpu()
-    table = scheduler.stages[stage]
-    return table.timesteps[idx].to(device), table.sigmas[idx].to(device)
+    timesteps, sigmas = scheduler.training_table(stage, device)
+    idx = (u * n).long().clamp(0, n - 1).to(timesteps.device)
+    return timesteps[idx], sigmas[idx]
 
 
 def _interleave(timesteps: list[torch.Tensor]) -> torch.Tensor:

@@ -153,8 +153,21 @@ class PyramidFlowScheduler:
         self.sigma_min = float(self.sigmas[-1].item())
         self.sigma_max = float(self.sigmas[0].item())
         self.stages: list[StageTable] = self._build_stage_tables()
+        self._device_tables: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ tables
+    def training_table(self, stage: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage ``stage``'s (timesteps, sigmas) training tables on ``device``, copied there once.
+
+        Training looks up a drawn index in them every column; indexing a copy that already lives on
+        the GPU keeps the lookup on the GPU (no host round trip, which would stall the launch queue).
+        """
+        key = (stage, torch.device(device))
+        if key not in self._device_tables:
+            table = self.stages[stage]
+            self._device_tables[key] = (table.timesteps.to(device), table.sigmas.to(device))
+        return self._device_tables[key]
+
     def _build_stage_tables(self) -> list[StageTable]:
         n = self.num_train_timesteps
         starts, ends, ori_starts, distances = [], [], [], []
