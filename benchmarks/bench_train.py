@@ -13,6 +13,10 @@ and block, image and text tokens), attention scores and values (2·S²·D MACs p
 and block, S = text + image tokens of the column, the mask does not save work in SDPA), the
 modulation and the in/out projections; training = 3 x forward (no recomputation counted).
 
+Where the host time goes: the host time of a step (until ``train_step`` returns), the part of it
+spent loading batches (prefetched: overlapping the GPU's backward) and, on CUDA, the number of calls
+in one step that make the host wait for the GPU (counted with ``torch.cuda.set_sync_debug_mode``).
+
     python benchmarks/bench_train.py                       # CPU tiny
     python benchmarks/bench_train.py --device cuda         # H200: miniFLUX 384p, 16 frames
 """
@@ -24,7 +28,10 @@ import json
 import statistics
 import tempfile
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 PEAK_BF16 = {"H200": 790e12, "H100": 989.5e12, "A100": 312e12}
 """Dense bf16 matrix-product rates: the H200 figure is the one measured on the benchmark machine
@@ -46,6 +53,21 @@ def dit_flops_per_forward(cfg: dict, records: list[dict], text_len: int) -> floa
             macs += n * (cfg["in_channels"] * d * tokens + d * cfg["in_channels"] * tokens)  # in/out proj
             macs += n * blocks * 12 * d * d  # adaLN modulation rows (per sample)
     return 2.0 * macs
+
+
+def counting_syncs(step: Callable[[], Any]) -> tuple[Any, int]:
+    """``step()`` under CUDA's sync debug mode: its result and the number of calls in it that made the
+    host wait for the GPU (``.item()``, ``float(t)``, device-to-host and pageable host-to-device copies)."""
+    import torch
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return result, sum("synchronizing" in str(w.message) for w in caught)
 
 
 def main() -> None:
@@ -110,14 +132,31 @@ def main() -> None:
         trainer.setup()
         records: list[dict] = []
         trainer.write_assignment = records.append  # keep the per-forward records in memory
+        load_s: list[float] = []  # host time of the batch loads of the current step
+        next_batch = trainer.loader.next_batch
+
+        def timed_next_batch(step: int) -> Any:
+            t = time.perf_counter()
+            try:
+                return next_batch(step)
+            finally:
+                load_s.append(time.perf_counter() - t)
+
+        trainer.loader.next_batch = timed_next_batch
         params = sum(p.numel() for p in trainer.unwrapped.parameters())
-        times, tokens, flops = [], [], []
+        times, host, loads, tokens, flops = [], [], [], [], []
+        syncs = None
         for i in range(steps + warmup):
             records.clear()
+            load_s.clear()
             if cuda:
                 torch.cuda.synchronize()
             tic = time.perf_counter()
-            metrics = trainer.train_step()
+            if cuda and i == warmup - 1:  # the last warm-up step counts the host's waits for the GPU
+                metrics, syncs = counting_syncs(trainer.train_step)
+            else:
+                metrics = trainer.train_step()
+            returned = time.perf_counter() - tic
             if cuda:
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - tic
@@ -131,6 +170,8 @@ def main() -> None:
                 ]
             if i >= warmup:
                 times.append(elapsed)
+                host.append(returned)
+                loads.append(sum(load_s))
                 tokens.append(sum(r["tokens"] for r in records))
                 flops.append(3 * dit_flops_per_forward(cfg, records, text_len))
         if args.profile:
@@ -163,6 +204,13 @@ def main() -> None:
         ("steps timed (warmup)", f"{steps} ({warmup})"),
         ("step time median / mean", f"{step_s * 1e3:.1f} ms / {mean_s * 1e3:.1f} ms"),
         ("steps/s", f"{1 / mean_s:.2f}"),
+        # on CUDA train_step returns once the optimizer update is queued (the GPU may still run it)
+        ("host time / step (train_step call)", f"{statistics.median(host) * 1e3:.1f} ms"),
+        ("batch loading / step (host)", f"{statistics.median(loads) * 1e3:.1f} ms"),
+        (
+            "blocking host syncs / step",
+            "n/a (counted on CUDA, in a warm-up step)" if syncs is None else str(syncs),
+        ),
         ("image tokens / step", f"{statistics.mean(tokens):.0f}"),
         ("tokens/s", f"{tok_s:,.0f}"),
         ("model TFLOP/s (analytic)", f"{tflops:.1f}"),

@@ -18,6 +18,7 @@ Randomness, by owner (what makes a resumed run bit-identical and a sync group co
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -31,7 +32,7 @@ import torch
 
 from pfctl.config.train import TrainConfig, check_train_constraints, columns_to_stages
 from pfctl.data.dataset import ClipInfo, LatentClipLoader, SyncGroupSampler, TrainBatch, group_rng, unbatch
-from pfctl.errors import CheckFailed, CheckpointError, ConfigError
+from pfctl.errors import CacheError, CheckFailed, CheckpointError, ConfigError
 from pfctl.flow.loss import flow_matching_loss
 from pfctl.flow.pyramid import (
     PyramidBatch,
@@ -68,6 +69,16 @@ class TrainReport:
     is_main: bool = True
 
 
+@dataclass
+class _Prefetched:
+    """A micro-step's batch loaded ahead (:meth:`Trainer.prefetch`): the batch, or the data error that
+    loading it raised, and the sampler state before it was drawn (what a checkpoint records meanwhile)."""
+
+    position: dict[str, Any]
+    batch: TrainBatch | None = None
+    error: CacheError | None = None
+
+
 class Trainer:
     """Owns the run: runtime, data, model, optimizer, EMA, checkpoints, logs."""
 
@@ -83,6 +94,7 @@ class Trainer:
         self.lora_targets: list[str] | None = None  # adapted module names of a LoRA run
         self.model_info: dict[str, Any] = {}
         self.loaded: ckpt.LoadedCheckpoint | None = None
+        self.prefetched: _Prefetched | None = None  # the batch of micro-step `micro_step`, loaded ahead
 
     # ------------------------------------------------------------------------------------------
     # the loop
@@ -129,7 +141,13 @@ class Trainer:
         )
 
     def train_step(self) -> dict[str, Any] | None:
-        """One optimizer step: ``grad_accum`` forward/backwards, clip, (maybe) update, EMA."""
+        """One optimizer step: ``grad_accum`` forward/backwards, clip, (maybe) update, EMA.
+
+        The step reads device values on the host once, for the skip decision (all-reduced loss and grad
+        norm, in one transfer): every read waits for all queued GPU work, so the other numbers stay on
+        the device until then. Right after each backward is launched, the next micro-step's batch is
+        loaded (:meth:`prefetch`), so the host's data work runs while the GPU computes that backward.
+        """
         cfg, acc = self.cfg, self.runtime.accelerator
         tic = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses
@@ -137,10 +155,13 @@ class Trainer:
         stages = sorted(set(columns_to_stages(cfg.sample_ratios)))
         # [loss, loss per stage..., tokens, samples], summed over micro-batches then over ranks
         stats = torch.zeros(len(stages) + 3, dtype=torch.float64, device=self.runtime.device)
+        # whether a micro-batch of this rank had a non-finite loss: read only when the step's numbers are
+        # not finite (to name this rank's clips), so it costs no wait otherwise
+        local_bad = torch.zeros((), dtype=torch.bool, device=self.runtime.device)
         faults.fault("train_step", rank=self.runtime.rank, step=self.step + 1)  # test hook
-        step_ids, local_bad = [], False  # for the message when the loss is not finite
+        step_ids = []  # for the message when the loss is not finite
         for micro in range(cfg.grad_accum):
-            batch = self.loader.next_batch(self.micro_step)
+            batch = self.next_batch()
             if faults.poisoned("train_nan", rank=self.runtime.rank, step=self.step + 1):  # test hook
                 batch.latents = torch.full_like(batch.latents, float("nan"))
             step_ids.extend(batch.ids)
@@ -148,26 +169,29 @@ class Trainer:
             with contextlib.nullcontext() if last else acc.no_sync(self.model):
                 loss, per_stage, record = self.forward(batch)
                 acc.backward(loss / cfg.grad_accum)
-            stats[0] += loss.detach().double() / cfg.grad_accum
-            local_bad = local_bad or not bool(torch.isfinite(loss.detach()))
+            self.micro_step += 1
+            if not (last and self.step + 1 >= cfg.max_steps):  # no batch after the run's last step
+                self.prefetch()
+            loss = loss.detach()
+            stats[0] += loss.double() / cfg.grad_accum
+            local_bad |= ~torch.isfinite(loss)
             for i, stage in enumerate(stages):
                 stats[1 + i] += per_stage[stage].double() / cfg.grad_accum
-            stats[-2:] += torch.tensor(
-                [record["tokens"], cfg.batch_size], dtype=torch.float64, device=stats.device
-            )
+            stats[-2] += record["tokens"]  # python numbers: no host-to-device copy
+            stats[-1] += cfg.batch_size
             self.write_assignment(record)
-            self.micro_step += 1
 
         # every rank takes the same decision from the same (all-reduced) numbers
         stats = acc.reduce(stats, reduction="sum")
         world = self.runtime.world_size
-        mean_loss = float(stats[0]) / world
         max_norm = cfg.grad_clip if cfg.grad_clip is not None else float("inf")
-        grad_norm = float(acc.clip_grad_norm_(self.model.parameters(), max_norm))
+        norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
+        totals = torch.cat([stats, norm.reshape(1).to(stats)]).tolist()  # the step's one wait for the GPU
+        mean_loss, grad_norm = totals[0] / world, totals[-1]
         skipped = None
         if not (math.isfinite(mean_loss) and math.isfinite(grad_norm)):
             what = f"non-finite loss {mean_loss} / grad norm {grad_norm} at step {self.step + 1}"
-            if local_bad:  # the rank(s) whose own loss is NaN name their clips
+            if bool(local_bad):  # the rank(s) whose own loss is NaN name their clips
                 where = f" on rank {self.runtime.rank}" if world > 1 else ""
                 pflog.log(f"{what}{where}: clips {step_ids}", all_ranks=True)
             if cfg.nan_policy == "stop":
@@ -192,13 +216,13 @@ class Trainer:
         if self.ema is not None and self.ema.should_update(self.step):
             self.ema.update(self.trained_state())
 
-        tokens, samples = float(stats[-2]), float(stats[-1])
+        tokens, samples = totals[-3], totals[-2]
         self.tokens_seen += int(tokens)
         seconds = time.perf_counter() - tic
         return {
             "step": self.step,
             "loss": mean_loss,
-            **{f"loss_stage{stage}": float(stats[1 + i]) / world for i, stage in enumerate(stages)},
+            **{f"loss_stage{stage}": totals[1 + i] / world for i, stage in enumerate(stages)},
             "lr": lr,
             "grad_norm": grad_norm,
             "skipped": skipped is not None,
@@ -207,20 +231,70 @@ class Trainer:
             "step_time_s": seconds,
         }
 
+    def next_batch(self) -> TrainBatch:
+        """The batch of micro-step ``self.micro_step`` on the device: the prefetched one, else loaded now."""
+        ahead, self.prefetched = self.prefetched, None
+        if ahead is None:
+            return self.to_device(self.loader.next_batch(self.micro_step))
+        if ahead.error is not None:
+            raise ahead.error
+        return ahead.batch
+
+    def prefetch(self) -> None:
+        """Load the batch of micro-step ``self.micro_step`` now and queue its copy to the device.
+
+        Called right after a backward is launched, before anything waits for the GPU. It runs on the
+        main thread, in the same order on every rank, because the loader may all-reduce load failures
+        over the sync group. The data position before the draw is kept: until the batch is used, a
+        checkpoint records that position, so a resumed run draws the same batch again. A data error
+        (:class:`CacheError`) is raised by the micro-step that uses the batch, as without prefetching
+        (the step before still completes and checkpoints); anything else, e.g. a failed collective, at once.
+        """
+        position = self.sampler.state_dict()
+        try:
+            batch = self.loader.next_batch(self.micro_step)
+        except CacheError as exc:
+            self.prefetched = _Prefetched(position, error=exc)
+            return
+        self.prefetched = _Prefetched(position, batch=self.to_device(batch))
+
+    def data_position(self) -> dict[str, Any]:
+        """The sampler state a checkpoint records: before the prefetched batch, if one is waiting."""
+        return self.prefetched.position if self.prefetched is not None else self.sampler.state_dict()
+
+    def to_device(self, batch: TrainBatch) -> TrainBatch:
+        """The batch with its tensors on the training device.
+
+        On a GPU the copies are queued from pinned memory without blocking: a copy from pageable memory
+        first waits for every kernel already queued (during a prefetch: the whole backward).
+        """
+        device = self.runtime.device
+        pinned = device.type == "cuda"
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return (t.pin_memory() if pinned else t).to(device, non_blocking=pinned)
+
+        return dataclasses.replace(
+            batch,
+            latents=move(batch.latents),
+            prompt_embeds=move(batch.prompt_embeds),
+            prompt_attention_mask=move(batch.prompt_attention_mask),
+            pooled_prompt_embeds=move(batch.pooled_prompt_embeds),
+        )
+
     def forward(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[int, torch.Tensor], dict[str, Any]]:
-        """Pyramid inputs for this rank's units → DiT → flow-matching loss (+ the assignment record)."""
-        cfg, device = self.cfg, self.runtime.device
-        pyramid = pyramid_latents(batch.latents.to(device), num_stages=3)
+        """Pyramid inputs for this rank's units → DiT → flow-matching loss (+ the assignment record).
+
+        ``batch`` is on the device already (:meth:`next_batch`)."""
+        cfg = self.cfg
+        pyramid = pyramid_latents(batch.latents, num_stages=3)
         rng = RandomSource.of(self.noise)
         units = None
         if cfg.use_temporal_pyramid:
             units = self.lengths.lengths(self.micro_step, self.runtime.rank, clip_units=batch.bucket[0])
         inputs = self._noise_inputs(pyramid, units, rng, draw_unused_corruption=False)
         predictions = self._predict(
-            inputs,
-            batch.prompt_embeds.to(device),
-            batch.prompt_attention_mask.to(device),
-            batch.pooled_prompt_embeds.to(device),
+            inputs, batch.prompt_embeds, batch.prompt_attention_mask, batch.pooled_prompt_embeds
         )
         result = flow_matching_loss(predictions, inputs.targets, inputs.column_to_stage)
         record = self.assignment_record(batch, inputs)
@@ -432,8 +506,12 @@ class Trainer:
     # pieces of the loop
     # ------------------------------------------------------------------------------------------
     def agree_on_failures(self, ok: list[bool]) -> list[bool]:
-        """OR-reduce load failures over the sync group so every rank replaces the same slots."""
-        if self.runtime.sync.process_group is None:
+        """OR-reduce load failures over the sync group so every rank replaces the same slots.
+
+        On a GPU the collective waits for the kernels queued before it (during a prefetch: the backward);
+        a group of one rank agrees with itself, so it skips the collective."""
+        sync = self.runtime.sync
+        if sync.process_group is None or sync.size == 1:
             return ok
         failed = torch.tensor(
             [0 if good else 1 for good in ok], dtype=torch.int64, device=self.runtime.device
@@ -516,7 +594,7 @@ class Trainer:
                     else {}
                 ),
             },
-            rank_state={"micro_step": self.micro_step, "sampler": self.sampler.state_dict(), "rng": rng_meta},
+            rank_state={"micro_step": self.micro_step, "sampler": self.data_position(), "rng": rng_meta},
             rank_tensors=rng_tensors,
             model=self.unwrapped,
             model_state=model_state,

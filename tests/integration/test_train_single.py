@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,57 @@ def test_validation_samples_are_written(cache: Path, tmp_path: Path) -> None:
     api.train(config(cache, out, max_steps=1, validation_every=1, validation_units=2, export=False))
     latents = load_file(str(out / "validation" / "step-000001.safetensors"))["latents"]
     assert latents.shape == (2, 16, 2, 8, 8) and torch.isfinite(latents).all()
+
+
+@pytest.mark.slow
+def test_a_step_waits_for_the_device_once(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer reads device values on the host once per step (the skip decision's numbers, in one
+    transfer): every read waits for all queued GPU work, so another one would leave the GPU idle while
+    the host works. Counted on the CPU from the reads the trainer's own code makes."""
+    from pfctl.training.trainer import Trainer
+
+    trainer = Trainer(
+        config(cache, tmp_path / "reads", max_steps=3, grad_accum=2, ema_decay=0.9, ema_every=1)
+    )
+    trainer.setup()
+    trainer.train_step()
+    reads: list[str] = []
+
+    def spy(name: str):
+        real = getattr(torch.Tensor, name)
+
+        def wrapper(self, *args, **kwargs):
+            if sys._getframe(1).f_globals.get("__name__") == Trainer.__module__:
+                reads.append(name)
+            return real(self, *args, **kwargs)
+
+        return wrapper
+
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, spy(name))
+    trainer.train_step()
+    assert reads == ["tolist"]
+    trainer.close()
+
+
+@pytest.mark.slow
+def test_a_data_error_fails_the_step_that_uses_the_batch(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every clip load after the 8th fails, so the batch of step 3 cannot be built. It is loaded ahead,
+    during step 2, yet step 2 still completes and checkpoints the data position before that batch: a
+    resume (loads working again) trains step 3 exactly as an uninterrupted run."""
+    from pfctl.errors import CacheError
+
+    opts = dict(max_steps=3, checkpoint_every=1, export=False)
+    full = api.train(config(cache, tmp_path / "full", **opts))
+    monkeypatch.setenv("PFCTL_FAULT", "cache_load:after=8")  # 2 batches of 4 clips load
+    with pytest.raises(CacheError, match="replacement clips in a row failed"):
+        api.train(config(cache, tmp_path / "broken", **opts))
+    assert [r["step"] for r in metrics(tmp_path / "broken")] == [1, 2]
+    monkeypatch.delenv("PFCTL_FAULT")
+    resumed = api.train(config(cache, tmp_path / "broken", resume="latest", **opts))
+    assert resumed.resumed_from and resumed.resumed_from.endswith("step-000002")
+    assert resumed.losses == full.losses[2:]
