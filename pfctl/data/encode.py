@@ -449,21 +449,27 @@ class _Encoder:
     encoded: int = 0
     skipped: int = 0
 
-    def encode_clip(self, frames: torch.Tensor) -> dict[str, torch.Tensor]:
-        video = to_model_input(frames).unsqueeze(0).to(self.device, self.dtype)  # (1, 3, T, H, W)
-        posterior = self.vae.encode(
+    def posterior(self, frames: torch.Tensor) -> Any:
+        """VAE posterior of uint8 (T, H, W, 3) frames.
+
+        The uint8 frames go to the device first and are scaled there (in float32, then cast, as
+        before): float32 pixels are 4x the bytes to move, and converting them on the host took a
+        good part of a clip's GPU encode time.
+        """
+        video = to_model_input(frames.to(self.device)).to(self.dtype).unsqueeze(0)  # (1, 3, T, H, W)
+        return self.vae.encode(
             video, chunking=self.cfg.chunking, chunk_frames=self.cfg.chunk_frames, tile=self.cfg.tile
         )
+
+    def encode_clip(self, frames: torch.Tensor) -> dict[str, torch.Tensor]:
+        posterior = self.posterior(frames)
         return {
             "latent_mean": posterior.mean[0].to("cpu", STORAGE_DTYPE),
             "latent_std": posterior.std[0].to("cpu", STORAGE_DTYPE),
         }
 
     def sample_clip(self, frames: torch.Tensor, clip_id: str) -> dict[str, torch.Tensor]:
-        video = to_model_input(frames).unsqueeze(0).to(self.device, self.dtype)
-        posterior = self.vae.encode(
-            video, chunking=self.cfg.chunking, chunk_frames=self.cfg.chunk_frames, tile=self.cfg.tile
-        )
+        posterior = self.posterior(frames)
         generator = torch.Generator(device="cpu").manual_seed(_clip_seed(self.seed, clip_id))
         return {"latent_sample": posterior.sample(generator)[0].to("cpu", STORAGE_DTYPE)}
 
