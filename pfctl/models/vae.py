@@ -198,6 +198,8 @@ class PyramidCausalVAE:
         self.latent_channels = int(module.config.encoder_out_channels)
         self.spatial_factor = int(module.spatial_factor)
         self.temporal_factor = int(module.temporal_factor)
+        #: on CUDA, run the module channels-last (cuDNN's layout for 3-D convs, see ``use_channels_last``)
+        self.channels_last = True
 
     # -- sizes ---------------------------------------------------------------------------------
     def valid_num_frames(self, n: int) -> int:
@@ -207,7 +209,12 @@ class PyramidCausalVAE:
         return 1 + ((n - 1) // self.temporal_factor) * self.temporal_factor
 
     def _placement(self) -> tuple[torch.device, torch.dtype]:
+        """The module's device and dtype; on CUDA it is first switched to the layout ``channels_last`` asks for."""
         param = next(self.module.parameters())
+        if param.device.type == "cuda":
+            weight = self.module.encoder.conv_in.conv.weight
+            if weight.is_contiguous(memory_format=torch.channels_last_3d) != self.channels_last:
+                self.module.use_channels_last(self.channels_last)
         return param.device, param.dtype
 
     def _check_chunking(self, chunking: str, allowed: tuple[str, ...]) -> None:
@@ -290,7 +297,7 @@ class PyramidCausalVAE:
                 window_size=window,
                 tile_sample_min_size=tile,
             )
-        return video.float()
+        return video.float().contiguous()
 
     # -- normalisation / identity --------------------------------------------------------------
     def normalize(self, z: Tensor) -> Tensor:

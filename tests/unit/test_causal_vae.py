@@ -315,3 +315,77 @@ def test_load_vae_dispatches_to_diffusers(tmp_path, monkeypatch) -> None:
         ("wan-tiny", None, torch.float32, "cpu"),
         (str(folder), "AutoencoderKLCogVideoX", torch.bfloat16, "cpu"),
     ]
+
+
+# ---------------------------------------------------------------------------------- channels-last layout
+def _channels_last(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous(memory_format=torch.channels_last_3d)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_frame_group_norm_channels_last_equals_default(affine: bool) -> None:
+    """The channels-last norm (its own statistics code) = nn.GroupNorm per frame, values and gradients."""
+    from pfctl.models.causal_vae.conv import FrameGroupNorm, is_channels_last
+
+    gen = torch.Generator().manual_seed(3)
+    norm = FrameGroupNorm(4, 16, eps=1e-6, affine=affine)
+    if affine:
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(16, generator=gen))
+            norm.bias.copy_(torch.randn(16, generator=gen))
+    x = torch.randn(2, 16, 3, 5, 7, generator=gen) * 3 + 1.5  # a non-zero mean, as activations have
+    x_cl = _channels_last(x)
+    assert is_channels_last(x_cl) and not is_channels_last(x)
+    with torch.no_grad():
+        ref, out = norm(x), norm(x_cl)
+    assert is_channels_last(out)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+    a, b = x.clone().requires_grad_(), x_cl.clone().requires_grad_()
+    w = torch.randn(x.shape, generator=gen)
+    (norm(a) * w).sum().backward()
+    grads_default = [p.grad.clone() for p in norm.parameters()]
+    norm.zero_grad()
+    (norm(b) * w).sum().backward()
+    torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5)
+    for got, want in zip([p.grad for p in norm.parameters()], grads_default, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+class _Passthrough(torch.nn.Module):
+    """Stands in for an upsampler's conv, so the depth-to-space step sees a channels-last tensor on the CPU."""
+
+    def forward(self, x: torch.Tensor, cache: FrameCache | None = None) -> torch.Tensor:
+        return x
+
+
+@pytest.mark.parametrize("kind", ["spatial", "temporal"])
+@pytest.mark.parametrize("first_chunk", [True, False])
+def test_upsamplers_channels_last_equal_default(kind: str, first_chunk: bool) -> None:
+    from pfctl.models.causal_vae.blocks import SpatialUpsample, TemporalUpsample
+    from pfctl.models.causal_vae.conv import is_channels_last
+
+    up = SpatialUpsample(3) if kind == "spatial" else TemporalUpsample(3)
+    up.conv = _Passthrough()
+    y = torch.randn(2, 12 if kind == "spatial" else 6, 3, 4, 5, generator=torch.Generator().manual_seed(1))
+    cache = FrameCache()
+    if not first_chunk:
+        cache.next_chunk()
+    ref, out = up(y, cache), up(_channels_last(y), cache)
+    assert is_channels_last(out) or (kind == "temporal" and first_chunk)  # a sliced-off frame 0 is a view
+    assert torch.equal(out, ref)
+
+
+def test_channels_last_model_equals_default(video: torch.Tensor) -> None:
+    """The whole VAE with channels-last weights: encode and decode give the default layout's numbers
+    (on the CPU the convolutions return the default layout; on CUDA, cuDNN keeps channels-last)."""
+    model = build_tiny_causal_vae()
+    with torch.no_grad():
+        ref_mean = model.encode(video).mean
+        ref_pixels = model.decode(ref_mean, temporal_chunk=True, window_size=1)
+        model.use_channels_last()
+        mean = model.encode(video, temporal_chunk=True, window_size=8).mean
+        pixels = model.decode(ref_mean, temporal_chunk=True, window_size=1)
+    assert mean.is_contiguous()
+    torch.testing.assert_close(mean, ref_mean, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(pixels, ref_pixels, rtol=1e-4, atol=1e-5)

@@ -131,3 +131,27 @@ def test_stage_graph_runs_cpu_inputs_eagerly():
     for _ in range(3):
         assert torch.equal(runner(x=torch.ones(2)), torch.full((2,), 2.0))
     assert len(calls) == 3 and runner.replays == 0
+
+
+@gpu
+def test_causal_vae_channels_last_on_cuda_equals_default() -> None:
+    """On CUDA, cuDNN keeps the channels-last layout end to end (norms, upsamplers, chunk cache):
+    encode and decode equal the default layout's (fp32, TF32 off, so only summation order differs)."""
+    from pfctl.models.vae import build_tiny_causal_vae
+
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        model = build_tiny_causal_vae().cuda()
+        video = torch.rand(1, 3, 17, 32, 48, generator=torch.Generator().manual_seed(0)).cuda() * 2 - 1
+        with torch.no_grad():
+            mean = model.encode(video, temporal_chunk=True, window_size=8).mean
+            pixels = model.decode(mean, temporal_chunk=True, window_size=1)
+            model.use_channels_last()
+            mean_cl = model.encode(video, temporal_chunk=True, window_size=8).mean
+            pixels_cl = model.decode(mean, temporal_chunk=True, window_size=1)
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+    assert pixels_cl.is_contiguous(memory_format=torch.channels_last_3d)
+    torch.testing.assert_close(mean_cl, mean, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(pixels_cl, pixels, rtol=1e-4, atol=1e-4)

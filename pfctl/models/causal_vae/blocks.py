@@ -15,7 +15,14 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from pfctl.errors import ConfigError
-from pfctl.models.causal_vae.conv import CausalConv3d, FrameCache, FrameGroupNorm, from_frames, to_frames
+from pfctl.models.causal_vae.conv import (
+    CausalConv3d,
+    FrameCache,
+    FrameGroupNorm,
+    from_frames,
+    is_channels_last,
+    to_frames,
+)
 
 _EPS = 1e-6
 
@@ -87,6 +94,14 @@ class SpatialUpsample(nn.Module):
         b, c4, t, h, w = y.shape
         c = c4 // 4
         # channel index = c*4 + p1*2 + p2  ->  pixel (2h + p1, 2w + p2)
+        if is_channels_last(y):  # one copy from (b, t, h, w, c, p1, p2) to (b, t, h, p1, w, p2, c) storage
+            m = (
+                y.permute(0, 2, 3, 4, 1)
+                .reshape(b, t, h, w, c, 2, 2)
+                .permute(0, 1, 2, 5, 3, 6, 4)
+                .contiguous()
+            )
+            return m.view(b, t, h * 2, w * 2, c).permute(0, 4, 1, 2, 3)
         y = y.reshape(b, c, 2, 2, t, h, w).permute(0, 1, 4, 5, 2, 6, 3)
         return y.reshape(b, c, t, h * 2, w * 2)
 
@@ -108,7 +123,11 @@ class TemporalUpsample(nn.Module):
         b, c2, t, h, w = y.shape
         c = c2 // 2
         # channel index = c*2 + p  ->  frame 2t + p
-        y = y.reshape(b, c, 2, t, h, w).permute(0, 1, 3, 2, 4, 5).reshape(b, c, t * 2, h, w)
+        if is_channels_last(y):  # one copy from (b, t, h, w, c, p) to (b, t, p, h, w, c) storage
+            m = y.permute(0, 2, 3, 4, 1).reshape(b, t, h, w, c, 2).permute(0, 1, 5, 2, 3, 4).contiguous()
+            y = m.view(b, t * 2, h, w, c).permute(0, 4, 1, 2, 3)
+        else:
+            y = y.reshape(b, c, 2, t, h, w).permute(0, 1, 3, 2, 4, 5).reshape(b, c, t * 2, h, w)
         if cache is None or cache.first_chunk:
             y = y[:, :, 1:]
         return y

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["CausalConv3d", "FrameCache", "FrameGroupNorm", "from_frames", "to_frames"]
+__all__ = ["CausalConv3d", "FrameCache", "FrameGroupNorm", "from_frames", "is_channels_last", "to_frames"]
 
 
 def to_frames(x: Tensor) -> Tensor:
@@ -30,6 +30,21 @@ def from_frames(x: Tensor, t: int) -> Tensor:
     """Inverse of :func:`to_frames`."""
     bt, c, h, w = x.shape
     return x.reshape(bt // t, t, c, h, w).permute(0, 2, 1, 3, 4)
+
+
+def is_channels_last(x: Tensor) -> bool:
+    """True for a 5-D tensor stored as (B, T, H, W, C), channels innermost.
+
+    That is the layout cuDNN's 3-D convolutions compute in; a VAE whose conv weights are
+    ``channels_last_3d`` (see ``CausalVideoVAE.use_channels_last``) keeps every activation in it, so
+    no layer transposes its input or output.
+    """
+    return (
+        x.ndim == 5
+        and x.shape[1] > 1
+        and x.stride(1) == 1
+        and x.is_contiguous(memory_format=torch.channels_last_3d)
+    )
 
 
 class FrameCache:
@@ -69,7 +84,38 @@ class FrameGroupNorm(nn.GroupNorm):
     def forward(self, x: Tensor) -> Tensor:
         if x.ndim != 5:
             return super().forward(x)
+        if is_channels_last(x):
+            return self._channels_last(x)
         return from_frames(super().forward(to_frames(x)), x.shape[2])
+
+    def _channels_last(self, x: Tensor) -> Tensor:
+        """The same norm on a (B, T, H, W, C)-stored tensor, without leaving that layout.
+
+        ``nn.GroupNorm`` on CUDA copies its input to (N, C, H, W) order and returns that order, which
+        costs two transposes per norm in a channels-last network. Here the statistics are float32
+        reductions over each frame's pixels (on CUDA they read bf16 directly: no float32 copy), and
+        the normalisation is one ``x * scale + shift`` with per-(frame, channel) float32 factors
+        that fold in the mean, 1/std, weight and bias.
+        """
+        b, c, t, h, w = x.shape
+        g, cg = self.num_groups, c // self.num_groups
+        pixels = x.permute(0, 2, 3, 4, 1).reshape(b, t, h * w, c)  # a view of the storage
+        s1 = pixels.sum(dim=2, dtype=torch.float32).view(b, t, g, cg).sum(-1)
+        s2 = torch.linalg.vector_norm(pixels, dim=2, dtype=torch.float32).square().view(b, t, g, cg).sum(-1)
+        n = h * w * cg
+        mean = s1 / n
+        rstd = torch.rsqrt((s2 / n - mean * mean).clamp_min(0.0) + self.eps)  # (B, T, G)
+        scale = rstd.repeat_interleave(cg, dim=-1)  # (B, T, C)
+        shift = -mean.repeat_interleave(cg, dim=-1) * scale
+        if self.affine:
+            weight, bias = self.weight.float(), self.bias.float()
+            scale, shift = scale * weight, shift * weight + bias
+        scale = scale.permute(0, 2, 1)[..., None, None]  # (B, C, T, 1, 1)
+        shift = shift.permute(0, 2, 1)[..., None, None]
+        if torch.is_grad_enabled() and (x.requires_grad or scale.requires_grad):
+            return torch.addcmul(shift, x, scale).to(x.dtype)
+        # computed in float32, written straight into x's dtype and layout
+        return torch.addcmul(shift, x, scale, out=torch.empty_like(x))
 
 
 def _triple(v: int | tuple[int, int, int]) -> tuple[int, int, int]:

@@ -191,6 +191,16 @@ class CausalVideoVAE(ModelMixin, ConfigMixin):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
 
+    def use_channels_last(self, enabled: bool = True) -> CausalVideoVAE:
+        """Store conv weights (and hence every activation) as (..., T, H, W, C), or back to the default.
+
+        cuDNN computes 3-D convolutions channels-last; with default-layout activations it transposes
+        every conv's input and output. In channels-last mode the norms and upsamplers keep that layout
+        too (``FrameGroupNorm`` has its own channels-last path), so nothing is transposed. Results
+        agree with the default layout up to float rounding. Returns ``self``.
+        """
+        return self.to(memory_format=torch.channels_last_3d if enabled else torch.contiguous_format)
+
     # ------------------------------------------------------------------ validation helpers
     def check_tile_size(self, tile_sample_min_size: int | None) -> int | None:
         """Return the tile size (pixels) if valid, else raise ``ConfigError``.
@@ -282,7 +292,7 @@ class CausalVideoVAE(ModelMixin, ConfigMixin):
             )
         else:
             moments = self._encode_moments(x, temporal_chunk, window_size)
-        return DiagonalGaussian.from_moments(moments)
+        return DiagonalGaussian.from_moments(moments.contiguous())  # latents are small; callers may save them
 
     # ------------------------------------------------------------------ decode
     def _decode_pixels(self, z: Tensor, temporal_chunk: bool, window_size: int) -> Tensor:

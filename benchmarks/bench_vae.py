@@ -1,0 +1,272 @@
+"""Benchmark the causal video VAE alone: decode and encode time and peak memory, pfctl vs the reference.
+
+The real-size Pyramid Flow causal VAE (random weights, bf16) decodes the 16 latents of a 5 s video
+at 384p (48x80) and 768p (96x160) and encodes a 121-frame 640x384 clip, each with the chunking /
+tiling settings listed below. With ``--reference DIR`` (a jy0205/Pyramid-Flow checkout) the
+reference's own VAE class gets the same weights and runs the same work in the same call, under
+bf16 autocast as its pipeline does; outputs are compared (relative L2) so speed is not bought
+with different pixels. ``--profile`` adds the top CUDA kernels of one 384p decode of each side (pfctl channels-last).
+
+    python benchmarks/bench_vae.py --device cuda --reference third_party/Pyramid-Flow --json vae.json
+    python benchmarks/bench_vae.py --device cpu --small            # a quick check of the harness
+
+The last thing printed is a table: one row per (work, implementation, settings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from bench_generate import REAL_VAE  # noqa: E402
+
+# (work, latent or pixel shape, window, tile); window/tile None = no chunking / no tiling
+DECODE_384 = (1, 16, 16, 48, 80)
+DECODE_768 = (1, 16, 16, 96, 160)
+ENCODE_384 = (1, 3, 121, 384, 640)
+SMALL = {"decode384": (1, 16, 3, 8, 12), "decode768": (1, 16, 3, 16, 24), "encode384": (1, 3, 17, 64, 96)}
+
+
+def cases(small: bool) -> list[tuple[str, tuple[int, ...], int | None, int | None, bool]]:
+    """(work, shape, window, tile, run the reference too)."""
+    d384 = SMALL["decode384"] if small else DECODE_384
+    d768 = SMALL["decode768"] if small else DECODE_768
+    e384 = SMALL["encode384"] if small else ENCODE_384
+    t256, t512 = (32, 64) if small else (256, 512)
+    return [
+        ("decode384", d384, 1, t256, True),  # the reference pipeline's save_memory decode
+        ("decode384", d384, 2, None, False),
+        ("decode384", d384, 1, None, False),
+        ("decode384", d384, 1, t512, False),
+        ("encode384", e384, 16 if not small else 8, None, True),
+        ("decode768", d768, 2, None, True),  # the issue's untiled time to beat
+        ("decode768", d768, 1, t256, False),
+        ("decode768", d768, 2, t512, False),
+        ("decode768", d768, 1, t512, False),
+    ]
+
+
+def build(device: torch.device, dtype: torch.dtype, small: bool):
+    from pfctl.models.causal_vae import CausalVideoVAE
+
+    config = dict(REAL_VAE)
+    if small:
+        config.update(
+            encoder_block_out_channels=(32, 32, 64, 64), decoder_block_out_channels=(32, 32, 64, 64)
+        )
+    torch.manual_seed(0)
+    model = CausalVideoVAE(**config)
+    with torch.no_grad():  # non-trivial outputs: the default init zeroes biases only, fine for speed
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.normal_(0.0, 0.02).add_(1.0 if p.shape[0] % 32 == 0 else 0.0)
+    return model.to(device=device, dtype=dtype).eval(), config
+
+
+def build_reference(root: Path, pfctl_model, config: dict, device: torch.device, dtype: torch.dtype):
+    from bench_reference import import_reference
+
+    import_reference(root)  # stubs and sys.path
+    from video_vae.modeling_causal_vae import CausalVideoVAE as Reference
+
+    ref = Reference(**{k: v for k, v in config.items()})
+    missing, unexpected = ref.load_state_dict(pfctl_model.state_dict(), strict=False)
+    if missing or unexpected:
+        raise SystemExit(f"reference VAE keys differ: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return ref.to(device=device, dtype=dtype).eval()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(fn, device: torch.device, repeats: int) -> tuple[torch.Tensor, float, float | None]:
+    """Warm-up once, then the best of ``repeats`` timed runs and the peak memory over them."""
+    out = fn()
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    return out, best, peak
+
+
+def pfctl_fn(model, work: str, x: torch.Tensor, window: int | None, tile: int | None):
+    if work.startswith("decode"):
+        return lambda: model.decode(
+            x, temporal_chunk=window is not None, window_size=window or 2, tile_sample_min_size=tile
+        )
+    return lambda: (
+        model.encode(
+            x, temporal_chunk=window is not None, window_size=window or 16, tile_sample_min_size=tile
+        ).mean
+    )
+
+
+def reference_fn(ref, work: str, x: torch.Tensor, window: int | None, tile: int | None, device: torch.device):
+    def run():
+        ref.enable_tiling(tile is not None)
+        amp = (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if device.type == "cuda"
+            else contextlib.nullcontext()
+        )
+        with torch.no_grad(), amp:
+            if work.startswith("decode"):
+                return ref.decode(
+                    x,
+                    temporal_chunk=window is not None,
+                    window_size=window or 2,
+                    tile_sample_min_size=tile or 256,
+                ).sample
+            return ref.encode(
+                x,
+                temporal_chunk=window is not None,
+                window_size=window or 16,
+                tile_sample_min_size=tile or 256,
+            ).latent_dist.mean
+
+    return run
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def top_kernels(fn, n: int = 12) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = []
+    events = [
+        e
+        for e in prof.key_averages()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.key != "Command Buffer Full"
+    ]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events)
+    for e in events[:n]:
+        rows.append(
+            {
+                "kernel": e.key[:90],
+                "calls": e.count,
+                "ms": e.self_device_time_total / 1e3,
+                "share": e.self_device_time_total / max(total, 1),
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--reference", type=Path, default=None, help="a jy0205/Pyramid-Flow checkout")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--small", action="store_true", help="a narrow VAE on small inputs (harness check)")
+    p.add_argument("--only", default="", help="comma-separated works to run (decode384,encode384,decode768)")
+    p.add_argument(
+        "--layouts",
+        default="contiguous,channels_last",
+        help="pfctl activation layouts to time (channels_last = CausalVideoVAE.use_channels_last)",
+    )
+    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one 384p decode")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model, config = build(device, dtype, args.small)
+    ref = build_reference(args.reference, model, config, device, dtype) if args.reference else None
+    only = set(filter(None, args.only.split(",")))
+    results, profiles = [], {}
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for work, shape, window, tile, with_ref in cases(args.small):
+        if only and work not in only:
+            continue
+        x = torch.randn(shape, generator=gen).clamp(-1, 1).to(device=device, dtype=dtype)
+        outputs = {}
+        for layout in args.layouts.split(","):
+            model.use_channels_last(layout == "channels_last")
+            try:
+                out, sec, peak = measure(pfctl_fn(model, work, x, window, tile), device, args.repeats)
+            except torch.OutOfMemoryError:
+                out, sec, peak = None, float("nan"), float("nan")
+            outputs[layout] = out
+            results.append(
+                {
+                    "work": work,
+                    "impl": f"pfctl/{layout}",
+                    "window": window,
+                    "tile": tile,
+                    "seconds": sec,
+                    "peak_gib": peak,
+                }
+            )
+            print(json.dumps(results[-1]), flush=True)
+            del out
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if len(outputs) == 2 and None not in outputs.values():
+            results[-1]["rel_l2_vs_pfctl"] = rel_l2(outputs["channels_last"], outputs["contiguous"])
+        if ref is not None and with_ref:
+            out, sec, peak = measure(reference_fn(ref, work, x, window, tile, device), device, args.repeats)
+            base = next((o for o in outputs.values() if o is not None), None)
+            results.append(
+                {
+                    "work": work,
+                    "impl": "reference",
+                    "window": window,
+                    "tile": tile,
+                    "seconds": sec,
+                    "peak_gib": peak,
+                    "rel_l2_vs_pfctl": rel_l2(base, out) if base is not None else None,
+                }
+            )
+            print(json.dumps(results[-1]), flush=True)
+            del out
+        outputs.clear()
+        if args.profile and device.type == "cuda" and work == "decode384" and tile is not None:
+            model.use_channels_last(True)
+            profiles["pfctl"] = top_kernels(pfctl_fn(model, work, x, window, tile))
+            if ref is not None:
+                profiles["reference"] = top_kernels(reference_fn(ref, work, x, window, tile, device))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if args.json:
+        args.json.write_text(json.dumps({"results": results, "profiles": profiles}, indent=1))
+    for side, rows in profiles.items():
+        print(f"\ntop CUDA kernels, {side} decode384 (window 1, tile 256):")
+        for r in rows:
+            print(f"  {r['ms']:9.1f} ms {r['share']:6.1%} {r['calls']:6d}x  {r['kernel']}")
+    print(
+        f"\n{'work':<10} {'impl':<24} {'window':>6} {'tile':>5} {'seconds':>8} {'peak GiB':>9} {'relL2 vs pfctl':>15}"
+    )
+    for r in results:
+        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
+        err = r.get("rel_l2_vs_pfctl")
+        print(
+            f"{r['work']:<10} {r['impl']:<24} {r['window']!s:>6} {r['tile']!s:>5} {r['seconds']:>8.3f} {peak:>9} "
+            f"{'' if err is None else f'{err:.2e}':>15}"
+        )
+
+
+if __name__ == "__main__":
+    main()
