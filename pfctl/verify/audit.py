@@ -105,6 +105,10 @@ def classify_norm(mod: nn.Module, shape: tuple[int, ...], ctx: tuple[int, ...] |
     rank = len(shape)
     if isinstance(mod, nn.modules.batchnorm._BatchNorm):
         return CH, "running statistics per channel (eval)"
+    if getattr(mod, "statistics_per_frame", False):
+        # pfctl's FrameGroupNorm: on channels-last inputs it computes its per-frame statistics itself
+        # instead of calling F.group_norm on frames folded into the batch, which is what the hook sees
+        return PF, "(C/G, H, W) per frame (FrameGroupNorm)"
     if isinstance(mod, nn.GroupNorm | nn.InstanceNorm1d | nn.InstanceNorm2d | nn.InstanceNorm3d):
         what = "(C/G, T, H, W)" if isinstance(mod, nn.GroupNorm) else "(T, H, W) per channel"
         if rank == 5:
