@@ -1,13 +1,25 @@
-"""One-call vs framewise vs exact-chunked encode of a real-size CogVideoX VAE.
+"""One-call vs framewise vs exact-chunked encode of a real-size CogVideoX VAE, on one or several processes.
 
 The verify-groupnorm acceptance benchmark: ``AutoencoderKLCogVideoX`` with its default config
 (random weights, 215.6 M parameters) encoding 49 frames at 480x720. For each path: wall time
-(CUDA events, median of ``--repeats`` after a warm-up), peak extra device memory
-(``torch.cuda.max_memory_allocated`` above the baseline) and the error of the posterior mean
-against the one-call encode computed in fp32.
+(median of ``--repeats`` after a warm-up), peak extra device memory (``torch.cuda.max_memory_allocated``
+above the baseline) and the error of the posterior mean against the one-call encode computed in fp32.
 
-    python benchmarks/bench_verify.py --device cuda                     # H200, bf16
-    python benchmarks/bench_verify.py --device cpu --frames 9 --size 64x96   # smoke test
+    python benchmarks/bench_verify.py --device cuda                       # 1 GPU, bf16
+    python benchmarks/bench_verify.py --device cuda --nproc 2             # 2 GPUs, half the frames each
+    python benchmarks/bench_verify.py --device cpu --frames 9 --size 64x96             # smoke test
+    python benchmarks/bench_verify.py --device cpu --frames 9 --size 64x96 --nproc 2   # smoke test, gloo
+
+One process: rows one-call, library framewise, exact chunked (all parked activations on the device) and,
+with ``--offload-above-gib``, exact chunked with offload (parked norm inputs beyond that many GiB wait
+in pinned host memory).
+
+``--nproc N``: N processes started with torch.multiprocessing (NCCL on CUDA, GPU r for rank r; gloo on
+the CPU). Rank r holds the r-th contiguous time shard of the clip (rank 0 the first frames) and runs the
+exact chunked encode on it; GroupNorm statistics are all-reduced and causal-conv halos go from rank r to
+r + 1. Rank 0 gathers the latents and compares them with the fp32 one-call encode and with the
+single-process exact encode, both computed on rank 0 afterwards. The table has one row per rank: its
+wall time, its own peak, and the error of its own latent frames.
 
 Prints a short table last; ``--json PATH`` writes every number.
 """
@@ -15,18 +27,26 @@ Prints a short table last; ``--json PATH`` writes every number.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+GiB = 2**30
 
-def _timed(fn, device: torch.device, repeats: int) -> tuple[float, int, torch.Tensor]:
+
+def _timed(
+    fn: Callable[[], torch.Tensor], device: torch.device, repeats: int
+) -> tuple[float, int, torch.Tensor]:
     """Median seconds over ``repeats`` (after one warm-up), peak extra memory, last output."""
     out = fn()
     times = []
@@ -46,6 +66,209 @@ def _timed(fn, device: torch.device, repeats: int) -> tuple[float, int, torch.Te
     return statistics.median(times), peak, out
 
 
+def _setup(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor, int, int]:
+    """The fp32 model (seeded: the same in every process), the clip, height and width."""
+    from diffusers import AutoencoderKLCogVideoX
+
+    height, width = (int(v) for v in args.size.split("x"))
+    torch.manual_seed(0)
+    module = AutoencoderKLCogVideoX().eval()
+    video = torch.rand(1, 3, args.frames, height, width, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    return module, video, height, width
+
+
+def _vae(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> Any:
+    from pfctl.models.diffusers_vae import DiffusersVideoVAE
+
+    return DiffusersVideoVAE(
+        torch.nn.Module.to(module, device, dtype), spec="AutoencoderKLCogVideoX", is_demo=False
+    )
+
+
+def _fp32_reference_mean(module: torch.nn.Module, video: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Posterior mean of the fp32 one-call encode (on the CPU); ``module`` is moved to ``device`` in fp32."""
+    with torch.no_grad():
+        ref = _vae(module, device, torch.float32).encode_moments(video.to(device), chunking="none").float()
+    return ref[:, : ref.shape[1] // 2].cpu()
+
+
+def _errors(ref_mean: torch.Tensor, moments: torch.Tensor) -> dict[str, float]:
+    from pfctl.verify.measure import latent_metrics
+
+    err = latent_metrics(ref_mean, moments[:, : moments.shape[1] // 2].float().cpu())
+    return {"rel_l2_vs_fp32_one_call": err["rel_l2"], "max_abs_vs_fp32_one_call": err["max_abs"]}
+
+
+def _exact_kw(args: argparse.Namespace) -> dict[str, Any]:
+    offload = args.offload_above_gib
+    return {"chunk_frames": args.chunk_frames, "offload_above": int(offload * GiB) if offload >= 0 else None}
+
+
+def _info(args: argparse.Namespace, device: torch.device, params: int, height: int, width: int) -> dict:
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "params": params,
+        "frames": args.frames,
+        "size": [height, width],
+        "dtype": args.dtype,
+        "nproc": args.nproc,
+        "chunk_frames": args.chunk_frames,
+        "offload_above_gib": args.offload_above_gib,
+    }
+
+
+def _print_table(info: dict, rows: list[dict]) -> None:
+    h, w = info["size"]
+    print(
+        f"\nCogVideoX VAE ({info['params'] / 1e6:.1f} M params), {info['frames']}x{h}x{w}, {info['dtype']}, "
+        f"{info['device']}, chunk frames {info['chunk_frames']}, offload above {info['offload_above_gib']} GiB"
+    )
+    print(f"{'path':<30}{'seconds':>9}{'peak GiB':>10}{'relL2 vs fp32':>15}{'max abs':>10}")
+    for r in rows:
+        print(
+            f"{r['path']:<30}{r['seconds']:>9.3f}{r['peak_gib']:>10.2f}"
+            f"{r['rel_l2_vs_fp32_one_call']:>15.2e}{r['max_abs_vs_fp32_one_call']:>10.2e}"
+        )
+
+
+def _write_json(args: argparse.Namespace, info: dict) -> None:
+    if args.json:
+        Path(args.json).write_text(json.dumps(info, indent=2))
+
+
+# ---------------------------------------------------------------------------------------- one process
+def run_single(args: argparse.Namespace) -> None:
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    module, video, height, width = _setup(args)
+    params = sum(p.numel() for p in module.parameters())
+    ref_mean = _fp32_reference_mean(module, video, device)
+    vae = _vae(module, device, dtype)
+    x = video.to(device, dtype)
+    kw = _exact_kw(args)
+    paths: list[tuple[str, dict[str, Any]]] = [
+        ("one-call", {"chunking": "none"}),
+        ("framewise (library)", {"chunking": "framewise"}),
+        ("exact chunked", {"chunking": "exact", "chunk_frames": kw["chunk_frames"]}),
+    ]
+    if kw["offload_above"] is not None:
+        paths.append((f"exact chunked, offload>{args.offload_above_gib:g}G", {"chunking": "exact", **kw}))
+    rows = []
+    for name, call in paths:
+        seconds, peak, out = _timed(lambda c=call: vae.encode_moments(x, **c), device, args.repeats)
+        rows.append({"path": name, "seconds": seconds, "peak_gib": peak / GiB, **_errors(ref_mean, out)})
+        del out
+    info = {**_info(args, device, params, height, width), "rows": rows}
+    _write_json(args, info)
+    _print_table(info, rows)
+
+
+# ---------------------------------------------------------------------------------------- N processes
+def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
+    """One rank of ``--nproc``: the exact encode of its time shard; rank 0 gathers and reports."""
+    import torch.distributed as dist
+
+    from pfctl.verify.exact import distributed_exchange, exact_chunked_encode, shard_frames
+
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.nproc
+    )
+    try:
+        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+        module, video, height, width = _setup(args)
+        params = sum(p.numel() for p in module.parameters())
+        vae = _vae(copy.deepcopy(module), device, dtype)
+        sizes = shard_frames(args.frames, args.nproc, vae.chunk_align())
+        start = sum(sizes[:rank])
+        shard = video[:, :, start : start + sizes[rank]].to(device, dtype)
+        reduce_fn, halo = distributed_exchange(device, dtype)
+        kw = _exact_kw(args)
+        plan = vae.chunk_plan(sizes[rank], kw["chunk_frames"])
+
+        def encode() -> torch.Tensor:
+            return exact_chunked_encode(
+                vae, shard, plan, reduce_fn=reduce_fn, halo=halo, offload_above=kw["offload_above"]
+            ).moments
+
+        seconds, peak, out = _timed(encode, device, args.repeats)
+        mine = {
+            "rank": rank,
+            "frames": [start, start + sizes[rank]],
+            "plan": plan,
+            "seconds": seconds,
+            "peak_gib": peak / GiB,
+            "moments": out.cpu(),
+        }
+        gathered: list[Any] | None = [None] * args.nproc if rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if rank == 0:
+            _report_ranks(args, gathered, module, vae, video, device, params, height, width)
+    finally:
+        dist.destroy_process_group()
+
+
+def _report_ranks(
+    args: argparse.Namespace,
+    gathered: list[dict],
+    module: torch.nn.Module,
+    vae: Any,
+    video: torch.Tensor,
+    device: torch.device,
+    params: int,
+    height: int,
+    width: int,
+) -> None:
+    """Rank 0: the gathered latents against the fp32 one-call and the single-process exact encode."""
+    from pfctl.verify.measure import latent_metrics
+
+    moments = torch.cat([g["moments"] for g in gathered], dim=2)
+    x = video.to(device, next(vae.module.parameters()).dtype)
+    single = vae.encode_moments(x, chunking="exact", chunk_frames=args.chunk_frames).cpu()
+    ref_mean = _fp32_reference_mean(module, video, device)
+    whole = _errors(ref_mean, moments)
+    vs_single = latent_metrics(single, moments)  # both moments: mean and log-variance
+    whole["rel_l2_vs_single_process_exact"] = vs_single["rel_l2"]
+    whole["max_abs_vs_single_process_exact"] = vs_single["max_abs"]
+    rows, t0 = [], 0
+    for g in gathered:
+        t = g["moments"].shape[2]
+        err = _errors(ref_mean[:, :, t0 : t0 + t], g["moments"])
+        t0 += t
+        first, end = g["frames"]
+        rows.append(
+            {
+                "path": f"exact, rank {g['rank']} (frames {first}-{end - 1})",
+                "seconds": g["seconds"],
+                "peak_gib": g["peak_gib"],
+                "plan": g["plan"],
+                **err,
+            }
+        )
+    info = {**_info(args, device, params, height, width), "gathered": whole, "rows": rows}
+    _write_json(args, info)
+    print(
+        f"\ngathered latents of {len(rows)} ranks: relL2 vs fp32 one-call {whole['rel_l2_vs_fp32_one_call']:.2e}, "
+        f"vs single-process exact (moments) {whole['rel_l2_vs_single_process_exact']:.2e} "
+        f"(max abs {whole['max_abs_vs_single_process_exact']:.2e})"
+    )
+    _print_table(info, rows)
+
+
+def run_multi(args: argparse.Namespace) -> None:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank_main, args=(args, port), nprocs=args.nproc, join=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -55,77 +278,23 @@ def main() -> int:
     parser.add_argument("--size", default="480x720", help="HxW")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--nproc", type=int, default=1, help="processes, each with 1/N of the frames")
+    parser.add_argument("--chunk-frames", type=int, default=4, help="frames per chunk of the exact path")
+    parser.add_argument(
+        "--offload-above-gib",
+        type=float,
+        default=None,
+        help="exact path: parked norm inputs beyond this many GiB on the device wait in host memory "
+        "(default: 1 with one process, 0 with several; negative: no offload)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-
-    from diffusers import AutoencoderKLCogVideoX
-
-    from pfctl.models.diffusers_vae import DiffusersVideoVAE
-    from pfctl.verify.measure import latent_metrics
-
-    device = torch.device(args.device)
-    height, width = (int(v) for v in args.size.split("x"))
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    torch.manual_seed(0)
-    module = AutoencoderKLCogVideoX().eval()
-    params = sum(p.numel() for p in module.parameters())
-    video = torch.rand(1, 3, args.frames, height, width, generator=torch.Generator().manual_seed(0)) * 2 - 1
-
-    # fp32 one-call reference (the ground truth every path is compared with)
-    ref_vae = DiffusersVideoVAE(
-        torch.nn.Module.to(module, device, torch.float32), spec="AutoencoderKLCogVideoX", is_demo=False
-    )
-    with torch.no_grad():
-        ref = ref_vae.encode_moments(video.to(device), chunking="none").float()
-    ref_mean = ref[:, : ref.shape[1] // 2].cpu()
-    del ref
-
-    vae = DiffusersVideoVAE(
-        torch.nn.Module.to(module, device, dtype), spec="AutoencoderKLCogVideoX", is_demo=False
-    )
-    x = video.to(device, dtype)
-    rows = []
-    for name, chunking in (
-        ("one-call", "none"),
-        ("framewise (library)", "framewise"),
-        ("exact chunked", "exact"),
-    ):
-        seconds, peak, out = _timed(
-            lambda c=chunking: vae.encode_moments(x, chunking=c), device, args.repeats
-        )
-        mean = out[:, : out.shape[1] // 2].float().cpu()
-        err = latent_metrics(ref_mean, mean)
-        rows.append(
-            {
-                "path": name,
-                "seconds": seconds,
-                "peak_gib": peak / 2**30,
-                "rel_l2_vs_fp32_one_call": err["rel_l2"],
-                "max_abs_vs_fp32_one_call": err["max_abs"],
-            }
-        )
-        del out
-    info = {
-        "date": time.strftime("%Y-%m-%d"),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "params": params,
-        "frames": args.frames,
-        "size": [height, width],
-        "dtype": args.dtype,
-        "rows": rows,
-    }
-    if args.json:
-        Path(args.json).write_text(json.dumps(info, indent=2))
-    print(
-        f"\nCogVideoX VAE ({params / 1e6:.1f} M params), {args.frames}x{height}x{width}, {args.dtype}, {info['device']}"
-    )
-    print(f"{'path':<22}{'seconds':>9}{'peak GiB':>10}{'relL2 vs fp32':>15}{'max abs':>10}")
-    for r in rows:
-        print(
-            f"{r['path']:<22}{r['seconds']:>9.3f}{r['peak_gib']:>10.2f}"
-            f"{r['rel_l2_vs_fp32_one_call']:>15.2e}{r['max_abs_vs_fp32_one_call']:>10.2e}"
-        )
+    if args.offload_above_gib is None:
+        args.offload_above_gib = 1.0 if args.nproc == 1 else 0.0
+    if args.nproc > 1:
+        run_multi(args)
+    else:
+        run_single(args)
     return 0
 
 

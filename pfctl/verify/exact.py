@@ -5,17 +5,21 @@ reduction spans T. Such a norm needs the statistics of the *whole* clip at its o
 after every chunk has reached it. The schedule here is layer-synchronous (SPEC-verify-groupnorm §5 (a)):
 
 - every chunk runs up to the next time-coupled GroupNorm and stops there;
-- pass A: each chunk adds its per-(sample, group) sums (N, Σx, Σx²) in float64 — fp32 Σx² cancels
-  catastrophically at N≈10⁸ — and, on several processes, one all-reduce of those O(G) numbers replaces
-  gathering the activations (``reduce_fn``);
+- pass A: each chunk adds its per-(sample, group) sums (N, Σx, Σx²) in float64 — built from fp32 Welford
+  means and centred M2 per slice, as an fp32 Σx² cancels catastrophically at N≈10⁸ — and, on several
+  processes, one all-reduce of those O(G) numbers replaces gathering the activations (``reduce_fn``);
 - pass B: each chunk normalises with the global mean and variance and runs on to the next norm.
+
+Both passes work slice by slice (a few frames or rows at a time), so their fp32 temporaries stay a fixed
+size whatever the chunk's.
 
 Chunks are cooperatively scheduled threads, exactly one running at a time (lowest index first), so the
 library's own forward code runs unchanged; only GroupNorm and causal-conv padding are routed through the
 engine. Causal convs get their left context from the previous chunk (the frames of the padded input the
 previous chunk did not consume), which is what the full-sequence pass sees. What stays in memory at a norm
 boundary is one activation per chunk (plus what the library's frames hold, e.g. residuals) — the same
-order as one norm input of the full pass, but never the full pass's stack of temporaries.
+order as one norm input of the full pass, but never the full pass's stack of temporaries. With
+``offload_above`` the parked norm inputs beyond a byte budget wait in host memory instead.
 """
 
 from __future__ import annotations
@@ -34,12 +38,46 @@ ReduceFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 # ---------------------------------------------------------------------------------------- statistics
+SLICE_ELEMENTS = 1 << 24
+"""Elements per slice in the statistics and normalisation loops: what bounds their temporaries
+(64 MiB in fp32) whatever the size of the chunk."""
+
+
+def _slices(x: torch.Tensor) -> list[tuple[slice, slice]]:
+    """(time, height) index ranges that cut a (B, C, T, H, …) tensor into pieces of at most
+    :data:`SLICE_ELEMENTS` elements (one row of every frame at least)."""
+    max_elements = SLICE_ELEMENTS
+    T, H = x.shape[2], x.shape[3]
+    row = x[:, :, :1, :1].numel()
+    if row * H <= max_elements:
+        step = max(1, max_elements // (row * H))
+        return [(slice(t, t + step), slice(None)) for t in range(0, T, step)]
+    step = max(1, max_elements // row)
+    return [(slice(t, t + 1), slice(h, h + step)) for t in range(T) for h in range(0, H, step)]
+
+
 def group_sums(x: torch.Tensor, num_groups: int) -> torch.Tensor:
-    """(N, Σx, Σx²) per (sample, group) of a (B, C, …) tensor, stacked as (3, B, G) float64."""
-    B = x.shape[0]
-    xg = x.reshape(B, num_groups, -1).to(torch.float64)
-    n = torch.full((B, num_groups), float(xg.shape[-1]), dtype=torch.float64, device=x.device)
-    return torch.stack([n, xg.sum(-1), (xg * xg).sum(-1)])
+    """(N, Σx, Σx²) per (sample, group) of a (B, C, T, H, …) tensor, stacked as (3, B, G) float64.
+
+    Slice by slice (:func:`_slices`): a mean and a centred sum of squares M2 per slice in fp32 (Welford, so
+    no cancellation; float64 for float64 input), merged in float64 — the only temporary is one slice in
+    fp32. Σx² = M2 + N·mean² is formed in float64, where turning it back into a variance loses nothing.
+    """
+    B, G = x.shape[0], num_groups
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    means, m2s, counts = [], [], []
+    for ts, hs in _slices(x):
+        xg = x[:, :, ts, hs].to(dtype).unflatten(1, (G, -1))
+        var, mean = torch.var_mean(xg, dim=tuple(range(2, xg.ndim)), correction=0)
+        counts.append(xg[0, 0].numel())
+        means.append(mean)
+        m2s.append(var * counts[-1])
+    ns = torch.tensor(counts, dtype=torch.float64).to(x.device, non_blocking=True).view(-1, 1, 1)
+    slice_means = torch.stack(means).double()
+    n = ns.sum(0).expand(B, G)
+    mean = (ns * slice_means).sum(0) / n
+    m2 = torch.stack(m2s).double().sum(0) + (ns * (slice_means - mean) ** 2).sum(0)
+    return torch.stack([n, n * mean, m2 + n * mean * mean])
 
 
 def sums_to_mean_var(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,16 +107,27 @@ def chan_merge(
 def group_norm_with_stats(
     x: torch.Tensor, module: nn.GroupNorm, mean: torch.Tensor, var: torch.Tensor
 ) -> torch.Tensor:
-    """Apply ``module`` (an nn.GroupNorm) to ``x`` with given per-(sample, group) statistics."""
+    """Apply ``module`` (an nn.GroupNorm) to a (B, C, T, H, …) ``x`` with given per-(sample, group)
+    statistics; the output has ``x``'s dtype.
+
+    As PyTorch's own kernel does, mean, 1/σ and the affine weights fold into one fp32 scale and shift per
+    (sample, channel); ``y = x·scale + shift`` is computed in fp32 slice by slice straight into the output
+    (on CUDA without any temporary, on the CPU with one slice-sized one). Inference only: writing into
+    the preallocated output is not differentiable.
+    """
     B, C = x.shape[:2]
     G = module.num_groups
-    rstd = torch.rsqrt(var + module.eps).to(torch.float32)
-    xg = x.reshape(B, G, -1).to(torch.float32)
-    y = ((xg - mean.to(torch.float32)[..., None]) * rstd[..., None]).reshape(x.shape)
+    rstd = torch.rsqrt(var + module.eps).to(torch.float32).repeat_interleave(C // G, dim=1)
+    scale = rstd * module.weight.to(torch.float32) if module.affine else rstd
+    shift = -mean.to(torch.float32).repeat_interleave(C // G, dim=1) * scale
     if module.affine:
-        shape = (1, C) + (1,) * (x.ndim - 2)
-        y = y * module.weight.to(torch.float32).view(shape) + module.bias.to(torch.float32).view(shape)
-    return y.to(x.dtype)
+        shift = shift + module.bias.to(torch.float32)
+    bcast = (B, C) + (1,) * (x.ndim - 2)
+    scale, shift = scale.view(bcast), shift.view(bcast)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    for ts, hs in _slices(x):
+        torch.addcmul(shift, x[:, :, ts, hs], scale, out=y[:, :, ts, hs])
+    return y
 
 
 # ---------------------------------------------------------------------------------------- allocator
@@ -132,6 +181,40 @@ class HaloExchange:
     send: Callable[[str, torch.Tensor], None] | None = None
 
 
+class _HostCopy:
+    """A parked activation moved to host memory: its device storage is freed (resized to 0 bytes, so
+    every alias of it — the library's own references included — shrinks with it) until ``restore()``.
+
+    On CUDA the copy out runs on a side stream (``record_stream`` keeps the freed block from being reused
+    before the copy has read it) into pinned memory; the copy back runs on the compute stream after it.
+    """
+
+    def __init__(self, x: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+        self.device = x.device
+        self.storage = x.untyped_storage()
+        self.nbytes = self.storage.nbytes()
+        dev = torch.empty(0, dtype=torch.uint8, device=self.device).set_(self.storage)
+        self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=stream is not None)
+        self.copied: torch.cuda.Event | None = None
+        if stream is None:
+            self.host.copy_(dev)
+        else:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self.host.copy_(dev, non_blocking=True)
+            self.copied = stream.record_event()
+            dev.record_stream(stream)
+        del dev
+        self.storage.resize_(0)
+
+    def restore(self) -> None:
+        self.storage.resize_(self.nbytes)
+        dev = torch.empty(0, dtype=torch.uint8, device=self.device).set_(self.storage)
+        if self.copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.copied)
+        dev.copy_(self.host, non_blocking=True)
+
+
 class LayerSyncEngine:
     """Runs K chunk forwards as cooperatively scheduled threads that meet at every time-coupled norm."""
 
@@ -141,6 +224,7 @@ class LayerSyncEngine:
         *,
         reduce_fn: ReduceFn | None = None,
         halo: HaloExchange | None = None,
+        offload_above: int | None = None,
         timeout_s: float = 600.0,
     ) -> None:
         if num_chunks < 1:
@@ -148,6 +232,8 @@ class LayerSyncEngine:
         self.n = num_chunks
         self.reduce_fn = reduce_fn
         self.halo = halo or HaloExchange()
+        self.offload_above = offload_above
+        self.copy_streams: dict[torch.device, torch.cuda.Stream] = {}
         self.timeout_s = timeout_s
         self.cv = threading.Condition()
         self.turn: int | None = None
@@ -210,8 +296,6 @@ class LayerSyncEngine:
         sums = group_sums(x, module.num_groups)
         barrier.sums = sums if barrier.sums is None else barrier.sums + sums
         barrier.arrived += 1
-        nbytes = x.numel() * x.element_size()
-        self._hold(nbytes)
         if barrier.arrived == self.n:
             total = barrier.sums
             if self.reduce_fn is not None:
@@ -219,10 +303,37 @@ class LayerSyncEngine:
             barrier.stats = sums_to_mean_var(total)
             barrier.sums = None
             self.num_barriers += 1
-        self._block(lambda: barrier.stats is not None)
-        self.held_bytes -= nbytes
+        nbytes = x.numel() * x.element_size()
+        parked = self._offload(x) if self._should_offload(x, nbytes) else None
+        if parked is None:
+            self._hold(nbytes)
+        try:
+            self._block(lambda: barrier.stats is not None)
+        finally:
+            if parked is None:
+                self.held_bytes -= nbytes
+            else:
+                parked.restore()
         mean, var = barrier.stats
         return group_norm_with_stats(x, module, mean, var)
+
+    def _should_offload(self, x: torch.Tensor, nbytes: int) -> bool:
+        """Offload when the activations parked on the device would exceed ``offload_above``, and only a
+        tensor that spans its whole storage (a view into a larger buffer, e.g. the input clip, may be read
+        by other chunks)."""
+        return (
+            self.offload_above is not None
+            and self.held_bytes + nbytes > self.offload_above
+            and x.untyped_storage().nbytes() == nbytes
+        )
+
+    def _offload(self, x: torch.Tensor) -> _HostCopy:
+        stream = None
+        if x.device.type == "cuda":
+            if x.device not in self.copy_streams:
+                self.copy_streams[x.device] = torch.cuda.Stream(x.device)
+            stream = self.copy_streams[x.device]
+        return _HostCopy(x, stream)
 
     def causal_input(
         self,
@@ -266,6 +377,8 @@ class LayerSyncEngine:
             raise ValueError("one function per chunk")
         results: list[Any] = [None] * self.n
         grad = torch.is_grad_enabled()
+        # a new thread starts on CUDA device 0: chunks run on the caller's device (one process per GPU)
+        cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         if self.n > 1:
             tune_malloc_for_threads()
 
@@ -273,6 +386,8 @@ class LayerSyncEngine:
             self.local.k = k
             self.local.calls = defaultdict(int)
             try:
+                if cuda_device is not None:
+                    torch.cuda.set_device(cuda_device)
                 with self.cv:
                     self._wait_turn(k)
                 with torch.set_grad_enabled(grad):
@@ -357,6 +472,7 @@ def layer_synchronous_forward(
     *,
     reduce_fn: ReduceFn | None = None,
     halo: HaloExchange | None = None,
+    offload_above: int | None = None,
 ) -> ExactResult:
     """Generic driver: split ``x`` on time by ``plan``, run ``chunk_fn`` per chunk layer-synchronously,
     concatenate the outputs on time."""
@@ -364,7 +480,7 @@ def layer_synchronous_forward(
         raise ValueError(f"chunk plan {list(plan)} does not add up to {x.shape[2]} frames")
     starts = [sum(plan[:i]) for i in range(len(plan))]
     chunks = [x[:, :, s : s + n] for s, n in zip(starts, plan, strict=True)]
-    engine = LayerSyncEngine(len(plan), reduce_fn=reduce_fn, halo=halo)
+    engine = LayerSyncEngine(len(plan), reduce_fn=reduce_fn, halo=halo, offload_above=offload_above)
     pairs = group_norm_patches(norm_root, engine)
     if extra_patches is not None:
         pairs += extra_patches(engine)
@@ -385,14 +501,21 @@ def exact_chunked_encode(
     *,
     reduce_fn: ReduceFn | None = None,
     halo: HaloExchange | None = None,
+    offload_above: int | None = None,
 ) -> ExactResult:
     """Encoder moments of ``video`` equal to the one-call encode, computed chunk by chunk.
 
     ``vae`` is an adapter offering ``exact_chunk_fn()`` (encoder on one chunk, no library cache) and
     ``exact_patches(engine)`` (its causal convs routed through the engine), e.g.
     :class:`pfctl.models.diffusers_vae.DiffusersVideoVAE` for CogVideoX. On several processes, give each
-    rank its contiguous time shard, ``reduce_fn`` (sum-all-reduce of the (3, B, G) float64 statistics)
-    and ``halo`` (previous/next rank's causal-conv context).
+    rank its contiguous time shard (:func:`shard_frames`), ``reduce_fn`` (sum-all-reduce of the (3, B, G)
+    float64 statistics) and ``halo`` (previous/next rank's causal-conv context), e.g. both from
+    :func:`distributed_exchange`.
+
+    ``offload_above`` (bytes): once the norm inputs the engine keeps parked on the device exceed it, the
+    next ones wait in (pinned) host memory until their chunk resumes — chunks arrive and resume in index
+    order, so the first ones stay on the device. ``None`` keeps everything on the device, ``0`` offloads
+    every parked norm input. What the library's own frames hold (e.g. residuals) stays on the device.
     """
     module = vae.module
     root = getattr(module, "encoder", module)
@@ -400,5 +523,67 @@ def exact_chunked_encode(
     x = video.to(device=p.device, dtype=p.dtype)
     with torch.no_grad():
         return layer_synchronous_forward(
-            x, plan, vae.exact_chunk_fn(), root, vae.exact_patches, reduce_fn=reduce_fn, halo=halo
+            x,
+            plan,
+            vae.exact_chunk_fn(),
+            root,
+            vae.exact_patches,
+            reduce_fn=reduce_fn,
+            halo=halo,
+            offload_above=offload_above,
         )
+
+
+# ---------------------------------------------------------------------------------------- processes
+def shard_frames(num_frames: int, world_size: int, align: int) -> list[int]:
+    """Frames per rank for contiguous time shards (rank order = time order): whole ``align``-frame blocks
+    spread evenly, the first rank also takes the remainder (the causal first frame), as chunk plans do."""
+    blocks, rest = divmod(num_frames, align)
+    if blocks < world_size:
+        raise ValueError(f"{num_frames} frames do not make {world_size} shards of whole {align}-frame blocks")
+    sizes = [align * (blocks // world_size + (r < blocks % world_size)) for r in range(world_size)]
+    sizes[0] += rest
+    return sizes
+
+
+_HALO_HEADER = 8
+"""int64 header sent ahead of each halo: CRC-32 of the conv call key, ndim, shape (up to 6 dims)."""
+
+
+def distributed_exchange(device: torch.device, dtype: torch.dtype) -> tuple[ReduceFn, HaloExchange]:
+    """``reduce_fn`` and ``halo`` over torch.distributed's default group, for contiguous time shards in
+    rank order: the statistics are sum-all-reduced, rank r receives its causal-conv context from r − 1 and
+    sends its leftover frames to r + 1 (point to point, shape and key checksum first).
+
+    ``device`` holds the tensors the backend moves (the rank's GPU for NCCL, the CPU for gloo); ``dtype``
+    is the activations' dtype. Every rank must run the same model on a shard from :func:`shard_frames`.
+    """
+    import zlib
+
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def reduce_fn(stats: torch.Tensor) -> torch.Tensor:
+        stats = stats.to(device)
+        dist.all_reduce(stats)
+        return stats
+
+    def send(key: str, t: torch.Tensor) -> None:
+        header = torch.zeros(_HALO_HEADER, dtype=torch.int64)
+        header[0], header[1] = zlib.crc32(key.encode()), t.ndim
+        header[2 : 2 + t.ndim] = torch.tensor(t.shape)
+        dist.send(header.to(device), rank + 1)
+        dist.send(t.to(device=device, dtype=dtype).contiguous(), rank + 1)
+
+    def recv(key: str) -> torch.Tensor:
+        header = torch.empty(_HALO_HEADER, dtype=torch.int64, device=device)
+        dist.recv(header, rank - 1)
+        crc, ndim, *shape = header.tolist()
+        if crc != zlib.crc32(key.encode()):
+            raise RuntimeError(f"halo exchange out of order: rank {rank} expected {key} from rank {rank - 1}")
+        buf = torch.empty(shape[:ndim], dtype=dtype, device=device)
+        dist.recv(buf, rank - 1)
+        return buf
+
+    return reduce_fn, HaloExchange(recv=recv if rank > 0 else None, send=send if rank < world - 1 else None)

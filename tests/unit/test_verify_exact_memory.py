@@ -1,0 +1,154 @@
+"""Exact chunked encode, memory side: sliced statistics and normalisation (bounded temporaries, same
+results), parked norm inputs offloaded to host memory, time shards for several processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from pfctl.models.diffusers_vae import load_diffusers_vae
+from pfctl.verify import exact
+from pfctl.verify.exact import (
+    LayerSyncEngine,
+    exact_chunked_encode,
+    group_norm_with_stats,
+    group_sums,
+    shard_frames,
+    sums_to_mean_var,
+)
+from pfctl.verify.synthetic import synthetic_clip
+
+
+class _LargestAllocation(TorchDispatchMode):
+    """Bytes of the largest tensor any op allocates (views and in-place results excluded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not (func.is_view or func._schema.is_mutable):
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+@pytest.fixture
+def small_slices(monkeypatch):
+    """Slices of 60 elements: a (2, 4, 3, 5, 6) tensor is cut along time and along rows."""
+    monkeypatch.setattr(exact, "SLICE_ELEMENTS", 60)
+
+
+def _clip(dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(2, 4, 3, 5, 6, generator=g) * 3 + 100).to(dtype)
+
+
+def test_slices_cover_the_tensor_once(small_slices):
+    x = torch.zeros(2, 4, 3, 5, 6)
+    for ts, hs in exact._slices(x):
+        assert x[:, :, ts, hs].numel() <= 60
+        x[:, :, ts, hs] += 1
+    assert torch.equal(x, torch.ones_like(x))
+
+
+def test_group_sums_sliced_match_two_pass_and_leave_input_alone(small_slices):
+    x = _clip()
+    before = x.clone()
+    mean, var = sums_to_mean_var(group_sums(x, 2))
+    xg = x.reshape(2, 2, -1)
+    assert torch.equal(x, before)  # a float64 input is summed from a copy, never squared in place
+    assert torch.allclose(mean, xg.mean(-1), rtol=0, atol=1e-10)
+    assert torch.allclose(var, xg.var(-1, correction=0), rtol=1e-9)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("permuted", [False, True])
+def test_group_norm_with_stats_matches_group_norm(small_slices, affine, permuted):
+    x = _clip(torch.float32)
+    if permuted:  # (B, T, C, H, W) in memory, as the CogVideoX downsampler returns it
+        x = x.permute(0, 2, 1, 3, 4).contiguous().permute(0, 2, 1, 3, 4)
+    gn = nn.GroupNorm(2, 4, affine=affine)
+    if affine:
+        with torch.no_grad():
+            gn.weight.uniform_(0.5, 1.5)
+            gn.bias.uniform_(-1, 1)
+    mean, var = sums_to_mean_var(group_sums(x, 2))
+    with torch.no_grad():
+        y = group_norm_with_stats(x, gn, mean, var)
+    assert y.dtype == x.dtype
+    assert torch.allclose(y, F.group_norm(x, 2, gn.weight, gn.bias, gn.eps), atol=2e-5)
+
+
+def test_statistics_and_norm_allocate_no_widened_copy_of_the_chunk(small_slices):
+    x = _clip(torch.bfloat16)
+    gn = nn.GroupNorm(2, 4)
+    with torch.no_grad(), _LargestAllocation() as probe:
+        mean, var = sums_to_mean_var(group_sums(x, 2))
+        y = group_norm_with_stats(x, gn, mean, var)
+    # the output (x's dtype and size) is the largest tensor: no float64/fp32 copy of the whole chunk
+    assert probe.largest == y.numel() * y.element_size() == x.numel() * x.element_size()
+
+
+def _run_two_chunks(offload_above: int | None, share_storage: bool):
+    """Two chunks meeting at one norm; chunk 1 looks at chunk 0's norm input while chunk 0 is parked."""
+    engine = LayerSyncEngine(2, offload_above=offload_above)
+    gn = nn.GroupNorm(2, 4)
+    clip = _clip(torch.float32)
+    inputs: list[torch.Tensor] = [clip[:, :, :2], clip[:, :, 2:]]
+    if not share_storage:
+        inputs = [t.clone() for t in inputs]
+    parked_bytes: list[int] = []
+
+    def chunk(k: int):
+        def fn() -> torch.Tensor:
+            if k == 1:
+                parked_bytes.append(inputs[0].untyped_storage().nbytes())
+            return engine.group_norm("norm", gn, inputs[k])
+
+        return fn
+
+    with torch.no_grad():
+        out = torch.cat(engine.run([chunk(0), chunk(1)]), dim=2)
+        ref = F.group_norm(clip, 2, gn.weight, gn.bias, gn.eps)
+    assert torch.allclose(out, ref, atol=1e-5)
+    return engine, parked_bytes[0], inputs
+
+
+def test_offload_frees_a_parked_norm_input_until_its_chunk_resumes():
+    engine, parked, inputs = _run_two_chunks(offload_above=0, share_storage=False)
+    assert parked == 0  # chunk 0's storage was in host memory while chunk 1 ran
+    assert inputs[0].untyped_storage().nbytes() == inputs[0].numel() * 4  # and is back
+    assert engine.peak_held_bytes == 0
+
+
+def test_offload_keeps_views_into_shared_buffers_and_honours_the_budget():
+    _, parked, _ = _run_two_chunks(offload_above=0, share_storage=True)
+    assert parked > 0  # a view of the clip: other chunks may read the same storage
+    engine, parked, inputs = _run_two_chunks(offload_above=1 << 20, share_storage=False)
+    assert parked > 0 and engine.peak_held_bytes == sum(t.numel() * 4 for t in inputs)
+
+
+def test_exact_encode_with_offload_is_bitwise_the_same():
+    cog = load_diffusers_vae("cogvideox-tiny")
+    clip = synthetic_clip(17, 16, 16).video
+    plan = [5, 4, 4, 4]
+    base = exact_chunked_encode(cog, clip, plan)
+    off = exact_chunked_encode(cog, clip, plan, offload_above=0)
+    assert torch.equal(off.moments, base.moments)
+    assert off.peak_held_bytes < base.peak_held_bytes  # only causal-conv carries stay on the device
+
+
+def test_shard_frames():
+    assert shard_frames(49, 2, 4) == [25, 24]
+    assert shard_frames(17, 2, 4) == [9, 8]
+    assert shard_frames(49, 3, 4) == [17, 16, 16]
+    assert shard_frames(50, 4, 4) == [14, 12, 12, 12]
+    with pytest.raises(ValueError, match="shards"):
+        shard_frames(5, 2, 4)
