@@ -119,9 +119,11 @@ class GenerateConfig(Section):
     far less memory); ``none``: one decoder call."""
     decode_window: int = Field(default=1, ge=1)
     """Latent frames per decoder chunk (the reference: 1 with save_memory, else 2)."""
-    decode_tile: int | None = Field(default=256, ge=32)
+    decode_tile: int | Literal["auto"] | None = "auto"
     """Spatial tile size in pixels (a multiple of 32; tiles overlap by 1/4 and are blended).
-    Only frames larger than the tile are tiled. None = never tile."""
+    Only frames larger than the tile are tiled. None = never tile. ``auto`` = no tiling when the
+    untiled decode's estimated peak fits in the free memory of the device, else 256-px tiles; the
+    sidecar records the size used."""
 
     # -- memory / speed ---------------------------------------------------------------------------
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
@@ -147,8 +149,8 @@ class GenerateConfig(Section):
 
     @field_validator("decode_tile")
     @classmethod
-    def _tile_multiple_of_32(cls, value: int | None) -> int | None:
-        if value is not None and value % 32:
+    def _tile_multiple_of_32(cls, value: int | str | None) -> int | str | None:
+        if isinstance(value, int) and (value < 32 or value % 32):
             raise ValueError(
                 f"decode_tile must be a multiple of 32 (other sizes give wrongly sized frames), got {value}"
             )

@@ -89,7 +89,9 @@ def test_t2v_writes_mp4_and_sidecar_and_reproduces_from_it(model_dir, components
     assert sidecar["prompt_used"] == "a red circle moving left" + config.generate.prompt_suffix
     assert sidecar["negative_prompt"] == config.generate.negative_prompt
     assert (sidecar["seed"], sidecar["temp"], sidecar["num_frames"]) == (11, 3, 17)
-    assert sidecar["settings"]["generate"] == config.generate.model_dump(mode="json")
+    # decode_tile "auto" is recorded as the size used: a 64x64 decode fits untiled
+    assert config.generate.decode_tile == "auto"
+    assert sidecar["settings"]["generate"] == {**config.generate.model_dump(mode="json"), "decode_tile": None}
     assert sidecar["model"]["layout"] == "official" and sidecar["model"]["fingerprints"]["dit"]
     assert sidecar["pfctl_version"] and sidecar["mode"] == "t2v"
 
@@ -377,3 +379,22 @@ def test_i2v_image_preprocessing_parity(refdir, reference_vae, tmp_path):
         assert_close(
             reference_vae.denormalize(vectors["final_latents"]), vectors["decode.vae_input"], 1e-6, "denorm"
         )
+
+
+def test_decode_tile_auto_tiles_only_when_the_untiled_decode_would_not_fit() -> None:
+    from pfctl.sampling.generate import AUTO_TILE, UNTILED_DECODE_BYTES_PER_PIXEL, resolve_decode_tile
+
+    fixed, per_frame = UNTILED_DECODE_BYTES_PER_PIXEL
+    need_w1 = (fixed + per_frame) * 384 * 640  # bf16, window 1
+
+    def resolve(tile, window=1, dtype=torch.bfloat16, available=10 * need_w1):
+        return resolve_decode_tile(
+            tile, height=384, width=640, window=window, dtype=dtype, available=available
+        )
+
+    assert resolve(512, available=0) == 512 and resolve(None, available=0) is None  # explicit: as given
+    assert resolve("auto") is None
+    assert resolve("auto", available=need_w1) == AUTO_TILE  # 80% of the free memory is the limit
+    assert resolve("auto", available=int(need_w1 / 0.8) + 1) is None
+    assert resolve("auto", window=16, available=3 * need_w1) == AUTO_TILE  # wider windows need more
+    assert resolve("auto", dtype=torch.float32, available=int(1.5 * need_w1 / 0.8)) == AUTO_TILE
