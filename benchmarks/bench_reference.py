@@ -255,7 +255,7 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
     from pfctl.config.generate import RESOLUTIONS
     from pfctl.models.checkpoint import load_dit_folder
     from pfctl.models.vae import TINY_CAUSAL_VAE_CONFIG, load_vae
-    from pfctl.sampling.generate import decode_latents
+    from pfctl.sampling.generate import decode_latents, free_memory, resolve_decode_tile
     from pfctl.sampling.sampler import TextConditioning, generate_latents
 
     cuda = device.type == "cuda"
@@ -342,9 +342,14 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
     ]
     _, pf_sample_s, pf_sample_peak = pf_runs[-1]
     replayed = run_pfctl(initial_noise=record["initial"], block_noises=record["blocks"])
+    pf_tile = resolve_decode_tile(
+        args.decode_tile, height=height, width=width, window=1, dtype=dtype, available=free_memory(device)
+    )
     with torch.no_grad():
         (_, pf_frames), pf_decode_s, pf_decode_peak = [
-            _timed(lambda: decode_latents(vae, ref_latents, chunking="framewise", window=1, tile=256), device)
+            _timed(
+                lambda: decode_latents(vae, ref_latents, chunking="framewise", window=1, tile=pf_tile), device
+            )
             for _ in range(args.repeats)
         ][-1]
 
@@ -378,6 +383,7 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
             "decode_s": pf_decode_s,
             "sample_peak_gib": pf_sample_peak,
             "decode_peak_gib": pf_decode_peak,
+            "decode_tile": pf_tile,
             "all_sample_s": [r[1] for r in pf_runs],
         },
         "latents_relative_l2": latent_err,
@@ -406,6 +412,8 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
     print(f"same noise → latents rel. L2 {latent_err:.2e} (tolerance {tolerance:.0e}): {same}; "
           f"(other noise: {control_err:.2f}); decoded frames max |diff| {result['frames_max_abs_diff']}, "
           f"mean {result['frames_mean_abs_diff']:.3f}")  # fmt: skip
+    print(f"decode: reference window 1, 256-px tiles (its save_memory); pfctl window 1, tile {pf_tile} "
+          f"(decode_tile={args.decode_tile})")  # fmt: skip
     return result
 
 
@@ -584,6 +592,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="generate: runs per side, the last one timed")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="generate: pfctl without CUDA graphs")
     parser.add_argument("--compile", action="store_true", help="generate: pfctl with compiled DiT blocks")
+    parser.add_argument(
+        "--decode-tile",
+        type=lambda v: v if v == "auto" else None if v == "none" else int(v),
+        default="auto",
+        help="generate: pfctl's decode tile (auto = its default, none, or pixels); the reference uses 256",
+    )
     parser.add_argument("--steps", type=int, default=None, help="train: steps per side (default 6 on CUDA)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
