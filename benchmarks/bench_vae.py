@@ -50,7 +50,7 @@ def cases(small: bool) -> list[tuple[str, tuple[int, ...], int | None, int | Non
         ("decode384", d384, 1, t512, False),
         ("encode384", e384, 16 if not small else 8, None, True),
         ("decode768", d768, 2, None, True),  # the untiled time to beat
-        ("decode768", d768, 1, t256, False),
+        ("decode768", d768, 1, t256, True),  # the low-memory mode
         ("decode768", d768, 2, t512, False),
         ("decode768", d768, 1, t512, False),
     ]
@@ -121,6 +121,15 @@ def pfctl_fn(model, work: str, x: torch.Tensor, window: int | None, tile: int | 
 
 def reference_fn(ref, work: str, x: torch.Tensor, window: int | None, tile: int | None, device: torch.device):
     def run():
+        try:
+            return call()
+        finally:  # its convs keep their last input frames on the module after a chunked call (GBs at
+            # 768p): drop them, so they count neither in its next run's peak nor in pfctl's
+            for module in ref.modules():
+                if hasattr(module, "_clear_context_parallel_cache"):
+                    module._clear_context_parallel_cache()
+
+    def call():
         ref.enable_tiling(tile is not None)
         amp = (
             torch.autocast("cuda", dtype=torch.bfloat16)

@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite in one call (2x H200: single-GPU benchmarks on GPU 0, then the
 # 2-process sync-group run and the FSDP tests on both). Results: $OUT (or ./bench-out).
-# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,train_ckpt,sync,fsdp,generate,lora,reference]
+# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,vae,encode,gputests]
 # (reference: needs a Pyramid-Flow checkout in third_party/Pyramid-Flow and einops; not in the default list)
 set -uo pipefail
 OUT="${OUT:-bench-out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 STEPS="${1:-verify,train_ckpt,sync,fsdp}"
+GPU="${GPU:-0}"  # the GPU of the single-GPU steps (two suites can run side by side: GPU=1 bash ...)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpus.txt"
 python -c "import torch, diffusers; print('torch', torch.__version__, 'diffusers', diffusers.__version__)" | tee -a "$OUT/gpus.txt"
 case ",$STEPS," in *,verify,*)
-  echo "=== verify"; CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_verify.py --device cuda --repeats 2 --json "$OUT/verify.json" 2>&1 | grep -v "kept in float32" | tail -8;;
+  echo "=== verify"; CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_verify.py --device cuda --repeats 2 --json "$OUT/verify.json" 2>&1 | grep -v "kept in float32" | tail -8;;
 esac
 case ",$STEPS," in *,train_ckpt,*)
-  echo "=== train (gradient checkpointing)"; CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_train.py --device cuda --gradient-checkpointing --json "$OUT/train_ckpt.json" 2>&1 | tail -18;;
+  echo "=== train (gradient checkpointing)"; CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --device cuda --gradient-checkpointing --json "$OUT/train_ckpt.json" 2>&1 | tail -18;;
 esac
 case ",$STEPS," in *,sync,*)
   echo "=== sync group (2 GPUs, G=2, miniFLUX 384p)"; python benchmarks/bench_sync_group.py --nproc 2 --group 2 --preset miniflux --json "$OUT/sync.json" 2>&1 | tail -14;;
@@ -23,14 +24,31 @@ case ",$STEPS," in *,fsdp,*)
 esac
 case ",$STEPS," in *,generate,*)
   echo "=== generate 5 s 384p (GPU 0): CUDA graphs, then + compiled blocks"
-  CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_generate.py --device cuda --json "$OUT/generate.json" 2>&1 | tail -3
-  CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_generate.py --device cuda --compile --videos 3 --json "$OUT/generate_compile.json" 2>&1 | tail -3;;
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_generate.py --device cuda --json "$OUT/generate.json" 2>&1 | tail -3
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_generate.py --device cuda --compile --videos 3 --json "$OUT/generate_compile.json" 2>&1 | tail -3;;
 esac
 case ",$STEPS," in *,lora,*)
-  echo "=== LoRA memory levers (GPU 0)"; CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_lora.py --json "$OUT/lora.json" 2>&1 | tail -10;;
+  echo "=== LoRA memory levers (GPU 0)"; CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_lora.py --json "$OUT/lora.json" 2>&1 | tail -10;;
 esac
 case ",$STEPS," in *,reference,*)
   echo "=== side by side with the reference (GPU 0, miniFLUX 384p: generate 5 s, train step; then generate with compiled blocks)"
-  CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_reference.py all --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference.json" 2>&1 | tail -16
-  CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_reference.py generate --compile --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_compile.json" 2>&1 | tail -6;;
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py all --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference.json" 2>&1 | tail -16
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py generate --compile --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_compile.json" 2>&1 | tail -6;;
+esac
+case ",$STEPS," in *,verify2,*)
+  echo "=== verify, exact chunked encode on 2 GPUs (half the frames each)"; python benchmarks/bench_verify.py --device cuda --nproc 2 --json "$OUT/verify2.json" 2>&1 | grep -v "kept in float32" | tail -8;;
+esac
+case ",$STEPS," in *,train,*)
+  echo "=== train (no checkpointing)"; CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --device cuda --json "$OUT/train.json" 2>&1 | tail -14;;
+esac
+case ",$STEPS," in *,vae,*)
+  echo "=== causal VAE alone, pfctl (both layouts) vs the reference VAE"
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_vae.py --device cuda --reference third_party/Pyramid-Flow --only decode384,encode384 --profile --json "$OUT/vae384.json" 2>&1 | grep -v '^{' | tail -40
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_vae.py --device cuda --reference third_party/Pyramid-Flow --only decode768 --repeats 1 --json "$OUT/vae768.json" 2>&1 | grep -v '^{' | tail -8;;
+esac
+case ",$STEPS," in *,encode,*)
+  echo "=== encode-latents end to end (121-frame 640x384 mp4)"; CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_encode.py --device cuda --chunking framewise --num-workers 4 2>&1 | tee "$OUT/encode.txt" | tail -6;;
+esac
+case ",$STEPS," in *,gputests,*)
+  echo "=== CUDA-only tests"; CUDA_VISIBLE_DEVICES=$GPU python -m pytest -q -p no:cacheprovider tests/unit/test_fast_paths.py 2>&1 | tail -4;;
 esac
