@@ -10,16 +10,20 @@ above the baseline) and the error of the posterior mean against the one-call enc
     python benchmarks/bench_verify.py --device cpu --frames 9 --size 64x96             # smoke test
     python benchmarks/bench_verify.py --device cpu --frames 9 --size 64x96 --nproc 2   # smoke test, gloo
 
-One process: rows one-call, library framewise, exact chunked (all parked activations on the device) and,
-with ``--offload-above-gib``, exact chunked with offload (parked norm inputs beyond that many GiB wait
-in pinned host memory).
+One process: rows one-call, library framewise, exact chunked (all parked activations on the device) and
+one row of exact chunked with offload per value of ``--offload-above-gib`` (parked norm inputs beyond that
+many GiB wait in pinned host memory; the next to resume is copied back while the current chunk computes).
+A comma-separated list sweeps the budget in one run:
+
+    python benchmarks/bench_verify.py --device cuda --offload-above-gib 0.5,1,2,3
 
 ``--nproc N``: N processes started with torch.multiprocessing (NCCL on CUDA, GPU r for rank r; gloo on
 the CPU). Rank r holds the r-th contiguous time shard of the clip (rank 0 the first frames) and runs the
 exact chunked encode on it; GroupNorm statistics are all-reduced and causal-conv halos go from rank r to
 r + 1. Rank 0 gathers the latents and compares them with the fp32 one-call encode and with the
-single-process exact encode, both computed on rank 0 afterwards. The table has one row per rank: its
-wall time, its own peak, and the error of its own latent frames.
+single-process exact encode, both computed on rank 0 afterwards. The table has one row per rank (and per
+``--offload-above-gib`` value, every one run on every rank): its wall time, its own peak, and the error of
+its own latent frames.
 
 Prints a short table last; ``--json PATH`` writes every number.
 """
@@ -99,9 +103,20 @@ def _errors(ref_mean: torch.Tensor, moments: torch.Tensor) -> dict[str, float]:
     return {"rel_l2_vs_fp32_one_call": err["rel_l2"], "max_abs_vs_fp32_one_call": err["max_abs"]}
 
 
-def _exact_kw(args: argparse.Namespace) -> dict[str, Any]:
-    offload = args.offload_above_gib
-    return {"chunk_frames": args.chunk_frames, "offload_above": int(offload * GiB) if offload >= 0 else None}
+def _offload_bytes(gib: float) -> int | None:
+    """``offload_above`` in bytes for a budget in GiB; a negative budget means no offload."""
+    return int(gib * GiB) if gib >= 0 else None
+
+
+def _offload_label(gib: float) -> str:
+    return f"offload>{gib:g}G" if gib >= 0 else "no offload"
+
+
+def _parse_gib_list(text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of numbers: {text!r}") from exc
 
 
 def _info(args: argparse.Namespace, device: torch.device, params: int, height: int, width: int) -> dict:
@@ -123,12 +138,14 @@ def _print_table(info: dict, rows: list[dict]) -> None:
     h, w = info["size"]
     print(
         f"\nCogVideoX VAE ({info['params'] / 1e6:.1f} M params), {info['frames']}x{h}x{w}, {info['dtype']}, "
-        f"{info['device']}, chunk frames {info['chunk_frames']}, offload above {info['offload_above_gib']} GiB"
+        f"{info['device']}, chunk frames {info['chunk_frames']}, "
+        f"offload above {', '.join(f'{g:g}' for g in info['offload_above_gib'])} GiB"
     )
-    print(f"{'path':<30}{'seconds':>9}{'peak GiB':>10}{'relL2 vs fp32':>15}{'max abs':>10}")
+    width = max(30, *(len(r["path"]) + 2 for r in rows))
+    print(f"{'path':<{width}}{'seconds':>9}{'peak GiB':>10}{'relL2 vs fp32':>15}{'max abs':>10}")
     for r in rows:
         print(
-            f"{r['path']:<30}{r['seconds']:>9.3f}{r['peak_gib']:>10.2f}"
+            f"{r['path']:<{width}}{r['seconds']:>9.3f}{r['peak_gib']:>10.2f}"
             f"{r['rel_l2_vs_fp32_one_call']:>15.2e}{r['max_abs_vs_fp32_one_call']:>10.2e}"
         )
 
@@ -147,14 +164,17 @@ def run_single(args: argparse.Namespace) -> None:
     ref_mean = _fp32_reference_mean(module, video, device)
     vae = _vae(module, device, dtype)
     x = video.to(device, dtype)
-    kw = _exact_kw(args)
+    exact = {"chunking": "exact", "chunk_frames": args.chunk_frames}
     paths: list[tuple[str, dict[str, Any]]] = [
         ("one-call", {"chunking": "none"}),
         ("framewise (library)", {"chunking": "framewise"}),
-        ("exact chunked", {"chunking": "exact", "chunk_frames": kw["chunk_frames"]}),
+        ("exact chunked", exact),
     ]
-    if kw["offload_above"] is not None:
-        paths.append((f"exact chunked, offload>{args.offload_above_gib:g}G", {"chunking": "exact", **kw}))
+    for gib in args.offload_above_gib:
+        if gib >= 0:  # a negative value is the no-offload row, which is always there
+            paths.append(
+                (f"exact chunked, {_offload_label(gib)}", {**exact, "offload_above": _offload_bytes(gib)})
+            )
     rows = []
     for name, call in paths:
         seconds, peak, out = _timed(lambda c=call: vae.encode_moments(x, **c), device, args.repeats)
@@ -188,22 +208,29 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
         start = sum(sizes[:rank])
         shard = video[:, :, start : start + sizes[rank]].to(device, dtype)
         reduce_fn, halo = distributed_exchange(device, dtype)
-        kw = _exact_kw(args)
-        plan = vae.chunk_plan(sizes[rank], kw["chunk_frames"])
+        plan = vae.chunk_plan(sizes[rank], args.chunk_frames)
+        runs, moments = [], None
+        for gib in args.offload_above_gib:  # every rank runs the same budgets in the same order
 
-        def encode() -> torch.Tensor:
-            return exact_chunked_encode(
-                vae, shard, plan, reduce_fn=reduce_fn, halo=halo, offload_above=kw["offload_above"]
-            ).moments
+            def encode(offload_above: int | None = _offload_bytes(gib)) -> torch.Tensor:
+                return exact_chunked_encode(
+                    vae, shard, plan, reduce_fn=reduce_fn, halo=halo, offload_above=offload_above
+                ).moments
 
-        seconds, peak, out = _timed(encode, device, args.repeats)
+            seconds, peak, out = _timed(encode, device, args.repeats)
+            out = out.cpu()
+            if moments is None:
+                moments = out
+            elif not torch.equal(out, moments):  # offload moves bytes, never changes them
+                raise RuntimeError(f"rank {rank}: offload above {gib:g} GiB changed the latents")
+            runs.append({"offload_above_gib": gib, "seconds": seconds, "peak_gib": peak / GiB})
+            del out
         mine = {
             "rank": rank,
             "frames": [start, start + sizes[rank]],
             "plan": plan,
-            "seconds": seconds,
-            "peak_gib": peak / GiB,
-            "moments": out.cpu(),
+            "runs": runs,
+            "moments": moments,
         }
         gathered: list[Any] | None = [None] * args.nproc if rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
@@ -235,25 +262,29 @@ def _report_ranks(
     vs_single = latent_metrics(single, moments)  # both moments: mean and log-variance
     whole["rel_l2_vs_single_process_exact"] = vs_single["rel_l2"]
     whole["max_abs_vs_single_process_exact"] = vs_single["max_abs"]
-    rows, t0 = [], 0
+    rows, t0, errs = [], 0, []
     for g in gathered:
         t = g["moments"].shape[2]
-        err = _errors(ref_mean[:, :, t0 : t0 + t], g["moments"])
+        errs.append(_errors(ref_mean[:, :, t0 : t0 + t], g["moments"]))
         t0 += t
-        first, end = g["frames"]
-        rows.append(
-            {
-                "path": f"exact, rank {g['rank']} (frames {first}-{end - 1})",
-                "seconds": g["seconds"],
-                "peak_gib": g["peak_gib"],
-                "plan": g["plan"],
-                **err,
-            }
-        )
+    for i, gib in enumerate(args.offload_above_gib):  # one block of rank rows per budget
+        for g, err in zip(gathered, errs, strict=True):
+            first, end = g["frames"]
+            run = g["runs"][i]
+            rows.append(
+                {
+                    "path": f"exact, rank {g['rank']} (frames {first}-{end - 1}), {_offload_label(gib)}",
+                    "offload_above_gib": gib,
+                    "seconds": run["seconds"],
+                    "peak_gib": run["peak_gib"],
+                    "plan": g["plan"],
+                    **err,
+                }
+            )
     info = {**_info(args, device, params, height, width), "gathered": whole, "rows": rows}
     _write_json(args, info)
     print(
-        f"\ngathered latents of {len(rows)} ranks: relL2 vs fp32 one-call {whole['rel_l2_vs_fp32_one_call']:.2e}, "
+        f"\ngathered latents of {len(gathered)} ranks: relL2 vs fp32 one-call {whole['rel_l2_vs_fp32_one_call']:.2e}, "
         f"vs single-process exact (moments) {whole['rel_l2_vs_single_process_exact']:.2e} "
         f"(max abs {whole['max_abs_vs_single_process_exact']:.2e})"
     )
@@ -282,15 +313,16 @@ def main() -> int:
     parser.add_argument("--chunk-frames", type=int, default=4, help="frames per chunk of the exact path")
     parser.add_argument(
         "--offload-above-gib",
-        type=float,
+        type=_parse_gib_list,
         default=None,
-        help="exact path: parked norm inputs beyond this many GiB on the device wait in host memory "
-        "(default: 1 with one process, 0 with several; negative: no offload)",
+        help="exact path: parked norm inputs beyond this many GiB on the device wait in host memory; a "
+        "comma-separated list gives one row per value, e.g. 0.5,1,2,3 (default: 1 with one process, 0 "
+        "with several; negative: no offload; write --offload-above-gib=-1,1 when a list starts negative)",
     )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    if args.offload_above_gib is None:
-        args.offload_above_gib = 1.0 if args.nproc == 1 else 0.0
+    if not args.offload_above_gib:
+        args.offload_above_gib = [1.0 if args.nproc == 1 else 0.0]
     if args.nproc > 1:
         run_multi(args)
     else:

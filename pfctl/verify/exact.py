@@ -19,7 +19,8 @@ engine. Causal convs get their left context from the previous chunk (the frames 
 previous chunk did not consume), which is what the full-sequence pass sees. What stays in memory at a norm
 boundary is one activation per chunk (plus what the library's frames hold, e.g. residuals) — the same
 order as one norm input of the full pass, but never the full pass's stack of temporaries. With
-``offload_above`` the parked norm inputs beyond a byte budget wait in host memory instead.
+``offload_above`` the parked norm inputs beyond a byte budget wait in host memory instead, and the next one
+to resume is copied back on a side stream while the chunk before it computes.
 """
 
 from __future__ import annotations
@@ -185,8 +186,11 @@ class _HostCopy:
     """A parked activation moved to host memory: its device storage is freed (resized to 0 bytes, so
     every alias of it — the library's own references included — shrinks with it) until ``restore()``.
 
-    On CUDA the copy out runs on a side stream (``record_stream`` keeps the freed block from being reused
-    before the copy has read it) into pinned memory; the copy back runs on the compute stream after it.
+    On CUDA the copy out runs on a side stream into pinned memory, after the compute stream's pending work
+    (which produced the tensor); ``record_stream`` keeps the freed block from being reused before the copy
+    has read it, so compute never waits for the copy out. The copy back either runs on the compute stream
+    when the chunk resumes (``restore()`` alone), or earlier on a second side stream (``prefetch()``,
+    while another chunk computes), and then ``restore()`` only makes the compute stream wait for it.
     """
 
     def __init__(self, x: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
@@ -194,8 +198,12 @@ class _HostCopy:
         self.storage = x.untyped_storage()
         self.nbytes = self.storage.nbytes()
         dev = torch.empty(0, dtype=torch.uint8, device=self.device).set_(self.storage)
-        self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=stream is not None)
+        self.host: torch.Tensor | None = torch.empty(
+            self.nbytes, dtype=torch.uint8, pin_memory=stream is not None
+        )
         self.copied: torch.cuda.Event | None = None
+        self.restored: torch.cuda.Event | None = None
+        self.refilled = False  # the storage has its device memory back and the copy back is issued
         if stream is None:
             self.host.copy_(dev)
         else:
@@ -207,12 +215,49 @@ class _HostCopy:
         del dev
         self.storage.resize_(0)
 
-    def restore(self) -> None:
+    def _refill(self) -> torch.Tensor:
+        """Give the storage its device memory back (allocated for the compute stream, which is the one
+        that reads and eventually frees it) and return a byte view of it."""
+        self.refilled = True
         self.storage.resize_(self.nbytes)
-        dev = torch.empty(0, dtype=torch.uint8, device=self.device).set_(self.storage)
+        return torch.empty(0, dtype=torch.uint8, device=self.device).set_(self.storage)
+
+    def prefetch(self, stream: torch.cuda.Stream | None) -> None:
+        """Start the copy back now, on ``stream`` (None: the CPU, copied at once), so that it overlaps with
+        whatever the compute stream does until this chunk resumes."""
+        if self.refilled:
+            return
+        dev = self._refill()
+        if stream is None:
+            dev.copy_(self.host)
+            self.host = None
+            return
+        # The new block may have been freed by compute-stream kernels still queued: write it only after
+        # them. And the host buffer holds the data only once the copy out has finished.
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         if self.copied is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.copied)
+            stream.wait_event(self.copied)
+        with torch.cuda.stream(stream):
+            dev.copy_(self.host, non_blocking=True)
+        self.restored = stream.record_event()
+        # No record_stream: restore() — always reached, also when the encode aborts — makes the compute
+        # stream wait for the copy before any use or free of the storage, and record_stream would hold the
+        # block back after its free until the side stream's *later* copies have finished too.
+        # Dropping the host buffer is safe: the pinned-memory allocator keeps it until the copy has run.
+        self.host = None
+
+    def restore(self) -> None:
+        """Make the storage valid for the compute stream again (copying back unless prefetched)."""
+        compute = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if self.refilled:
+            if compute is not None and self.restored is not None:
+                compute.wait_event(self.restored)
+            return
+        dev = self._refill()
+        if compute is not None and self.copied is not None:
+            compute.wait_event(self.copied)
         dev.copy_(self.host, non_blocking=True)
+        self.host = None
 
 
 class LayerSyncEngine:
@@ -233,7 +278,17 @@ class LayerSyncEngine:
         self.reduce_fn = reduce_fn
         self.halo = halo or HaloExchange()
         self.offload_above = offload_above
+        # one stream per direction: copies out and copies back use different copy engines and must not
+        # queue behind each other
         self.copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.prefetch_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.parked: dict[int, _HostCopy] = {}
+        """Chunk index → its norm input waiting in host memory (while the chunk is blocked at that norm)."""
+        self.prefetched: int | None = None
+        """The chunk whose parked input is being copied back ahead of its resumption (at most one: it
+        costs one parked activation of device memory on top of the budget)."""
+        self.num_offloaded = 0
+        self.num_prefetched = 0
         self.timeout_s = timeout_s
         self.cv = threading.Condition()
         self.turn: int | None = None
@@ -303,17 +358,28 @@ class LayerSyncEngine:
             barrier.stats = sums_to_mean_var(total)
             barrier.sums = None
             self.num_barriers += 1
+        k = self.local.k
         nbytes = x.numel() * x.element_size()
         parked = self._offload(x) if self._should_offload(x, nbytes) else None
         if parked is None:
             self._hold(nbytes)
+        else:
+            self.parked[k] = parked
+        # when this arrival completes the norm, chunk 0 resumes next: start its copy back now (the
+        # steady state has started it already, when the last chunk resumed at the previous norm)
+        self._prefetch_next(k, only_runnable=True)
         try:
             self._block(lambda: barrier.stats is not None)
         finally:
             if parked is None:
                 self.held_bytes -= nbytes
             else:
+                del self.parked[k]
+                if self.prefetched == k:
+                    self.prefetched = None
                 parked.restore()
+        # the copy back of the next parked input to resume overlaps with this chunk's pass B
+        self._prefetch_next(k)
         mean, var = barrier.stats
         return group_norm_with_stats(x, module, mean, var)
 
@@ -327,13 +393,45 @@ class LayerSyncEngine:
             and x.untyped_storage().nbytes() == nbytes
         )
 
+    @staticmethod
+    def _stream(
+        streams: dict[torch.device, torch.cuda.Stream], device: torch.device
+    ) -> torch.cuda.Stream | None:
+        if device.type != "cuda":
+            return None
+        if device not in streams:
+            streams[device] = torch.cuda.Stream(device)
+        return streams[device]
+
     def _offload(self, x: torch.Tensor) -> _HostCopy:
-        stream = None
-        if x.device.type == "cuda":
-            if x.device not in self.copy_streams:
-                self.copy_streams[x.device] = torch.cuda.Stream(x.device)
-            stream = self.copy_streams[x.device]
-        return _HostCopy(x, stream)
+        self.num_offloaded += 1
+        return _HostCopy(x, self._stream(self.copy_streams, x.device))
+
+    def _prefetch_next(self, k: int, *, only_runnable: bool = False) -> None:
+        """Start copying back the parked input of the chunk that will need it first after chunk ``k``.
+
+        Chunks resume in index order at each norm, and a chunk that has passed its norm parks at the next
+        one, which completes only after the last chunk arrives: so, seen from chunk ``k``, the parked
+        chunks resume in cyclic order k+1, …, n−1, 0, …, k−1. A wrong guess (not the case for this
+        schedule) costs only memory: the input stays on the device until its chunk resumes. Nothing is
+        started while an earlier prefetch is unconsumed, which bounds the extra memory to one input.
+
+        ``only_runnable``: only if that chunk's norm is complete already. Called as ``k`` parks, this
+        keeps the first norm from fetching chunk 0 back while the later chunks still run up to it.
+        """
+        if self.prefetched is not None or not self.parked:
+            return
+        for step in range(1, self.n):
+            j = (k + step) % self.n
+            if j in self.parked:
+                pred = self.preds[j]
+                if only_runnable and not (pred is not None and pred()):
+                    return
+                copy = self.parked[j]
+                copy.prefetch(self._stream(self.prefetch_streams, copy.device))
+                self.prefetched = j
+                self.num_prefetched += 1
+                return
 
     def causal_input(
         self,
@@ -461,6 +559,10 @@ class ExactResult:
     num_barriers: int
     peak_held_bytes: int
     notes: list[str] = field(default_factory=list)
+    num_offloaded: int = 0
+    """Norm inputs that waited in host memory (``offload_above``)."""
+    num_prefetched: int = 0
+    """Of those, the ones copied back ahead of their chunk's resumption (overlapping other compute)."""
 
 
 def layer_synchronous_forward(
@@ -491,6 +593,8 @@ def layer_synchronous_forward(
         plan=list(plan),
         num_barriers=engine.num_barriers,
         peak_held_bytes=engine.peak_held_bytes,
+        num_offloaded=engine.num_offloaded,
+        num_prefetched=engine.num_prefetched,
     )
 
 
@@ -516,6 +620,8 @@ def exact_chunked_encode(
     next ones wait in (pinned) host memory until their chunk resumes — chunks arrive and resume in index
     order, so the first ones stay on the device. ``None`` keeps everything on the device, ``0`` offloads
     every parked norm input. What the library's own frames hold (e.g. residuals) stays on the device.
+    The copy back of the next offloaded input to resume runs on a side stream while the current chunk
+    computes (one such input at a time, on top of the budget), so the copies overlap with compute.
     """
     module = vae.module
     root = getattr(module, "encoder", module)

@@ -135,14 +135,80 @@ def test_offload_keeps_views_into_shared_buffers_and_honours_the_budget():
     assert parked > 0 and engine.peak_held_bytes == sum(t.numel() * 4 for t in inputs)
 
 
-def test_exact_encode_with_offload_is_bitwise_the_same():
+def _run_chain(num_chunks: int, offload_above: int | None):
+    """``num_chunks`` chunks through norm → +1 → norm. Each chunk notes, just after each of its norms
+    returns (its pass B starting), which *other* chunks' parked norm inputs are on the device; the last
+    chunk also notes it before its first norm (the others parked there, the norm incomplete)."""
+    engine = LayerSyncEngine(num_chunks, offload_above=offload_above)
+    gn = nn.GroupNorm(2, 4)
+    clip = torch.randn(2, 4, 2 * num_chunks, 5, 6, generator=torch.Generator().manual_seed(1))
+    firsts = [t.clone() for t in clip.split(2, dim=2)]
+    seconds: list[torch.Tensor | None] = [None] * num_chunks
+    seen: dict[tuple[int, str], list[int]] = {}
+
+    def on_device(k: int) -> list[int]:
+        """Other chunks whose parked input (first-norm input ahead of k, second-norm input behind) has
+        device storage."""
+        parked = [firsts[j] for j in range(k + 1, num_chunks)] + [seconds[j] for j in range(k)]
+        ids = list(range(k + 1, num_chunks)) + list(range(k))
+        return [j for j, t in zip(ids, parked, strict=True) if t is not None and t.untyped_storage().nbytes()]
+
+    def chunk(k: int):
+        def fn() -> torch.Tensor:
+            if k == num_chunks - 1:
+                seen[k, "arrive"] = [j for j in range(k) if firsts[j].untyped_storage().nbytes()]
+            y = engine.group_norm("a", gn, firsts[k])
+            seen[k, "a"] = on_device(k)
+            seconds[k] = y + 1
+            z = engine.group_norm("b", gn, seconds[k])
+            return z
+
+        return fn
+
+    with torch.no_grad():
+        out = torch.cat(engine.run([chunk(k) for k in range(num_chunks)]), dim=2)
+        ref = F.group_norm(
+            F.group_norm(clip, 2, gn.weight, gn.bias, gn.eps) + 1, 2, gn.weight, gn.bias, gn.eps
+        )
+    assert torch.allclose(out, ref, atol=1e-5)
+    return engine, out, seen
+
+
+def test_offload_prefetches_the_next_parked_input_one_at_a_time():
+    base_engine, base, _ = _run_chain(4, offload_above=None)
+    engine, out, seen = _run_chain(4, offload_above=0)
+    assert torch.equal(out, base)
+    assert base_engine.num_offloaded == base_engine.num_prefetched == 0
+    assert engine.num_offloaded == 8
+    # every input was copied back ahead of its chunk's turn, chunk 0's at the first norm as soon as the
+    # last chunk's arrival completed that norm
+    assert engine.num_prefetched == 8
+    # while the first norm is still incomplete nothing comes back early
+    assert seen[3, "arrive"] == []
+    # as chunk k starts its pass B, exactly the chunk that runs next has its input back: k+1 at this norm,
+    # and after the last chunk, chunk 0 at the next norm
+    assert [seen[k, "a"] for k in range(4)] == [[1], [2], [3], [0]]
+
+
+def test_prefetch_with_a_budget_skips_inputs_kept_on_the_device():
+    _, base, _ = _run_chain(4, offload_above=None)
+    one_input = 2 * 4 * 2 * 5 * 6 * 4  # bytes of one chunk's norm input (fp32)
+    engine, out, _ = _run_chain(4, offload_above=2 * one_input)
+    assert torch.equal(out, base)
+    assert 0 < engine.num_prefetched <= engine.num_offloaded < 8
+
+
+@pytest.mark.parametrize("offload_gib", [0, 2e-5])
+def test_exact_encode_with_offload_is_bitwise_the_same(offload_gib):
     cog = load_diffusers_vae("cogvideox-tiny")
     clip = synthetic_clip(17, 16, 16).video
     plan = [5, 4, 4, 4]
     base = exact_chunked_encode(cog, clip, plan)
-    off = exact_chunked_encode(cog, clip, plan, offload_above=0)
+    off = exact_chunked_encode(cog, clip, plan, offload_above=int(offload_gib * 2**30))
     assert torch.equal(off.moments, base.moments)
-    assert off.peak_held_bytes < base.peak_held_bytes  # only causal-conv carries stay on the device
+    assert off.peak_held_bytes < base.peak_held_bytes  # fewer parked norm inputs stay on the device
+    assert base.num_offloaded == 0
+    assert 0 < off.num_prefetched <= off.num_offloaded  # the copies back went through the prefetch path
 
 
 def test_shard_frames():
