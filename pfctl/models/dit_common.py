@@ -10,8 +10,8 @@ interleaved: row ``r = b*K + k`` belongs to column ``k``, item ``b``. Inside the
   text padding (padding only sees padding) and, optionally, temporal causality (a query at frame ``f``
   sees keys at frames ``<= f``; text counts as frame 0).
 
-Everything that depends only on shapes (token counts, RoPE tables, masks) is computed once per forward in a
-:class:`PyramidLayout` and handed to every block, so no block rebuilds masks.
+Everything that depends only on shapes (token counts, RoPE tables, attention masks) is computed once per
+forward in a :class:`PyramidLayout` and handed to every block, so no block rebuilds them.
 
 Numerics follow the reference implementation exactly in float32 (same op order), so the parity vectors match
 to ~1e-7; nothing here reads the environment or touches torch.distributed.
@@ -35,6 +35,10 @@ logger = logging.getLogger(__name__)
 
 ROPE_THETA = 10000
 TIMESTEP_FREQ_DIM = 256
+#: Additive attention mask value of a masked key: the finite value SDPA's cuDNN path itself substitutes for a
+#: boolean False (cuDNN mishandles -inf). With it every backend matches a boolean mask bit for bit: next to
+#: any allowed key (every row has one, the diagonal) exp(score - 65504 - max) underflows to exactly 0.
+MASKED = -65504.0
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -96,11 +100,52 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        variance = x.float().pow(2).mean(-1, keepdim=True)
-        y = x * torch.rsqrt(variance + self.eps)  # float32 (promoted)
-        if self.weight.dtype in (torch.float16, torch.bfloat16):
-            y = y.to(self.weight.dtype)
-        return (y * self.weight).to(x.dtype)
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
+
+
+def _normalized(x: torch.Tensor, rstd: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
+    """``x * rstd`` in float32, rounded to a half-precision weight's dtype (the reference multiplies in it)."""
+    if weight_dtype in (torch.float16, torch.bfloat16):
+        return torch.mul(x, rstd, out=torch.empty_like(x, dtype=weight_dtype))
+    return x * rstd
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """The reference's RMS norm, ``(x * rsqrt(mean(float(x)^2) + eps) [-> weight dtype] * weight) -> x dtype``,
+    with the same ops and rounding steps, in fewer kernels and with less kept for backward.
+
+    Forward: the final cast is folded into the last product (``out=`` rounds once, as ``.to`` did). Backward
+    forms the same products and sums autograd forms for that graph (``2 * g_mean * x`` as ``(2 * g_mean) * x``:
+    scaling by 2 is exact), but keeps only ``x`` and ``rstd`` -- autograd also kept the float32 upcast of a
+    half-precision ``x`` and, when the weight trains, the float32 normalised values -- and skips autograd's
+    casts, its ``pow(x, 1)`` copy and its full-size division.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        rstd = x.float().pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()  # [..., 1] float32
+        ctx.save_for_backward(x, weight, rstd)
+        return torch.mul(_normalized(x, rstd, weight.dtype), weight, out=torch.empty_like(x))
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        x, weight, rstd = ctx.saved_tensors
+        if weight.dtype in (torch.float16, torch.bfloat16):
+            grad = grad.to(weight.dtype)  # the product with the weight ran in its dtype (a no-op for bf16 x)
+        grad_weight = grad_x = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad * _normalized(x, rstd, weight.dtype)).sum_to_size(weight.shape)
+        if ctx.needs_input_grad[0]:
+            # gradient of the float32 normalised values (rounded in the weight dtype first when it is half)
+            grad_y = torch.mul(grad, weight, out=torch.empty_like(x, dtype=torch.float32))
+            grad_var = (grad_y * x).sum(-1, keepdim=True).mul(-0.5) * rstd.pow(3)  # through rsqrt
+            grad_x = torch.mul(grad_y, rstd, out=torch.empty_like(x))
+            grad_x += torch.mul(grad_var.div(x.shape[-1]).mul(2.0), x, out=torch.empty_like(x))  # mean(x^2)
+        return grad_x, grad_weight, None
 
 
 def make_qk_norm(kind: str | None, head_dim: int, eps: float) -> nn.Module | None:
@@ -186,18 +231,113 @@ def modulate_columns(
     """``x * (1 + scale_k) + shift_k`` on the token segment of each column.
 
     ``x`` is ``[Bc, sum(lengths), D]``; ``shift``/``scale`` are ``[Bc, K, D]``. Applied per segment with
-    broadcasting (instead of expanding the modulation to every token) so autograd keeps only ``[Bc, 1, D]``.
+    broadcasting (instead of expanding the modulation to every token) so autograd keeps only ``[Bc, K, D]``;
+    ``1 + scale`` is one op on that small tensor for all columns.
     """
-    parts = x.split(list(lengths), dim=1)
-    out = [p * (1 + scale[:, k, None]) + shift[:, k, None] for k, p in enumerate(parts)]
-    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+    return _affine_columns(x, list(lengths), 1 + scale, shift, None)
 
 
-def gate_columns(x: torch.Tensor, lengths: Sequence[int], gate: torch.Tensor) -> torch.Tensor:
-    """``gate_k * x`` on the token segment of each column (``gate``: ``[Bc, K, D]``)."""
-    parts = x.split(list(lengths), dim=1)
-    out = [gate[:, k, None] * p for k, p in enumerate(parts)]
-    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+def gated_residual(
+    residual: torch.Tensor, x: torch.Tensor, lengths: Sequence[int], gate: torch.Tensor
+) -> torch.Tensor:
+    """``residual + gate_k * x`` on the token segment of each column (``gate``: ``[Bc, K, D]``)."""
+    return _affine_columns(x, list(lengths), gate, None, residual)
+
+
+def _affine_columns(
+    x: torch.Tensor,
+    lengths: list[int],
+    scale: torch.Tensor,
+    shift: torch.Tensor | None,
+    residual: torch.Tensor | None,
+) -> torch.Tensor:
+    """``(x_k * scale_k [+ shift_k]) [+ residual]``: :class:`_ColumnAffine` in eager mode. Under torch.compile
+    the plain per-column form, which inductor fuses anyway (dynamo cannot trace ``out=`` into the strided
+    column slices the eager version writes)."""
+    if not torch.compiler.is_compiling():
+        return _ColumnAffine.apply(x, lengths, scale, shift, residual)
+    shifts = [None] * len(lengths) if shift is None else _column_rows(shift)
+    parts = [
+        x_k * s_k if b_k is None else x_k * s_k + b_k
+        for x_k, s_k, b_k in zip(x.split(lengths, 1), _column_rows(scale), shifts, strict=True)
+    ]
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return out if residual is None else residual + out
+
+
+def _column_rows(m: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``[Bc, K, D]`` -> K views ``[Bc, 1, D]`` (one per column, broadcast over its tokens)."""
+    return m[:, :, None].unbind(1)
+
+
+def _column_sums(parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Per column the sum over its tokens, ``K x [Bc, n_k, D] -> [Bc, K, D]``, then cast to ``dtype`` (how
+    autograd reduces the gradient of a broadcast ``[Bc, 1, D]`` operand and casts it to the operand's dtype)."""
+    sums = [p.sum(1, keepdim=True) for p in parts]
+    return (sums[0] if len(sums) == 1 else torch.cat(sums, dim=1)).to(dtype)
+
+
+class _ColumnAffine(torch.autograd.Function):
+    """``out_k = (x_k * scale_k [+ shift_k]) [+ residual_k]`` for the token segments ``x_k`` of the columns.
+
+    The same products and sums, in the same order and dtypes, as ``cat([x_k * s_k + b_k]) + residual`` under
+    autograd (each intermediate rounded to its own promoted dtype, each gradient cast back through that
+    chain), but every column is written straight into one output and its gradient straight into one
+    gradient tensor: no ``cat`` reassembling the segments in the forward, none for ``x``'s gradient in the
+    backward, and one cast for all columns' modulation gradients instead of one per column.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        x: torch.Tensor,
+        lengths: list[int],
+        scale: torch.Tensor,
+        shift: torch.Tensor | None,
+        residual: torch.Tensor | None,
+    ) -> torch.Tensor:
+        product_dtype = torch.promote_types(x.dtype, scale.dtype)
+        sum_dtype = product_dtype if shift is None else torch.promote_types(product_dtype, shift.dtype)
+        out_dtype = sum_dtype if residual is None else torch.promote_types(sum_dtype, residual.dtype)
+        out = x.new_empty(x.shape, dtype=out_dtype)
+        shifts = [None] * len(lengths) if shift is None else _column_rows(shift)
+        for x_k, out_k, s_k, b_k in zip(
+            x.split(lengths, 1), out.split(lengths, 1), _column_rows(scale), shifts, strict=True
+        ):
+            torch.mul(x_k, s_k, out=out_k)  # computed (and rounded) in the inputs' dtype, then stored
+            if b_k is not None:
+                out_k.add_(b_k)
+        if residual is not None:
+            out.add_(residual)
+        ctx.lengths, ctx.x_dtype = lengths, x.dtype
+        ctx.dtypes = (product_dtype, sum_dtype, None if shift is None else shift.dtype)
+        # like autograd's product: keep each factor only for the other's gradient (a frozen modulation, e.g.
+        # under LoRA, keeps no full-size x)
+        ctx.save_for_backward(
+            x if ctx.needs_input_grad[2] else None, scale if ctx.needs_input_grad[0] else None
+        )
+        return out
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        x, scale = ctx.saved_tensors
+        product_dtype, sum_dtype, shift_dtype = ctx.dtypes
+        grad_residual = grad if ctx.needs_input_grad[4] else None
+        grad_sum = grad.to(sum_dtype)  # no-ops (no kernel) unless the residual stream is wider
+        grads = grad_sum.to(product_dtype).split(ctx.lengths, 1)
+        grad_x = grad_scale = grad_shift = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad.new_empty(grad.shape, dtype=ctx.x_dtype)
+            for g_k, s_k, out_k in zip(grads, _column_rows(scale), grad_x.split(ctx.lengths, 1), strict=True):
+                torch.mul(g_k, s_k, out=out_k)
+        if ctx.needs_input_grad[2]:
+            products = [g_k * x_k for g_k, x_k in zip(grads, x.split(ctx.lengths, 1), strict=True)]
+            grad_scale = _column_sums(products, scale.dtype)
+        if ctx.needs_input_grad[3]:
+            grad_shift = _column_sums(grad_sum.split(ctx.lengths, 1), shift_dtype)
+        return grad_x, None, grad_scale, grad_shift, grad_residual
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -224,16 +364,76 @@ def rope_tables(
     return torch.cat(cos, dim=-1), torch.cat(sin, dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent channel pairs ``(x[2i], x[2i+1])`` of ``x [B, S, H, hd]`` by the table ``[S, hd/2]``.
+@dataclass(frozen=True)
+class RotaryTable:
+    """A rotation of channel pairs written as two broadcast products, each ``[S, 1, hd/2, 2]`` float32:
+    ``out[..., i, :] = x[..., i, 0] * a[i] + x[..., i, 1] * b[i]``.
 
-    Computed in float32 and returned in ``x``'s dtype (bf16 friendly).
+    Forward ``a = (cos, sin)``, ``b = (-sin, cos)``: ``(c*x0 - s*x1, s*x0 + c*x1)``, the reference's products and
+    sums (``x1 * -s`` is exactly ``-(s * x1)``), so results are bit-identical to it. ``a_t``/``b_t`` are the
+    transpose (rotation by minus the angle), which is the backward: ``(c*g0 + s*g1, -s*g0 + c*g1)``.
     """
-    pairs = x.float().unflatten(-1, (-1, 2))  # [B, S, H, hd/2, 2]
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    c, s = cos[:, None, :], sin[:, None, :]  # [S, 1, hd/2]
-    out = torch.stack([c * x0 - s * x1, s * x0 + c * x1], dim=-1)  # [B, S, H, hd/2, 2]
-    return out.flatten(-2).type_as(x)
+
+    a: torch.Tensor
+    b: torch.Tensor
+    a_t: torch.Tensor
+    b_t: torch.Tensor
+
+
+def rotary_table(cos: torch.Tensor, sin: torch.Tensor) -> RotaryTable:
+    """:class:`RotaryTable` of ``(cos, sin)`` tables ``[S, hd/2]`` (built once per forward, shared by blocks)."""
+    c, s = cos[:, None], sin[:, None]  # [S, 1, hd/2]: broadcast over heads
+    neg_s = -s
+    return RotaryTable(
+        a=torch.stack([c, s], dim=-1),
+        b=torch.stack([neg_s, c], dim=-1),
+        a_t=torch.stack([c, neg_s], dim=-1),
+        b_t=torch.stack([s, c], dim=-1),
+    )
+
+
+def _rotate_pairs(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``x [B, S, H, hd]`` -> ``x0 * a + x1 * b`` per channel pair, in float32, rounded once to ``x``'s dtype.
+
+    Three kernels: the mixed-dtype products read ``x`` in its own dtype and compute in float32 (no upcast
+    copy), and ``add(out=)`` rounds the float32 sum straight into the output (no separate cast).
+    """
+    pairs = x.unflatten(-1, (-1, 2))  # [B, S, H, hd/2, 2]
+    out = torch.empty_like(pairs)
+    return torch.add(pairs[..., :1] * a, pairs[..., 1:] * b, out=out).flatten(-2)
+
+
+class _Rotary(torch.autograd.Function):
+    """RoPE with a hand-written backward: the gradient of a rotation is the transposed rotation (3 kernels),
+    where autograd would run the backward of every op of the forward (~14 kernels, with full-size zero-fills)."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        x: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        a_t: torch.Tensor,
+        b_t: torch.Tensor,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(a_t, b_t)
+        return _rotate_pairs(x, a, b)
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        a_t, b_t = ctx.saved_tensors
+        return _rotate_pairs(grad, a_t, b_t), None, None, None, None
+
+
+def apply_rope(x: torch.Tensor, table: RotaryTable) -> torch.Tensor:
+    """Rotate adjacent channel pairs ``(x[2i], x[2i+1])`` of ``x [B, S, H, hd]`` by the table (``S`` rows).
+
+    Computed in float32 and returned in ``x``'s dtype (bf16 friendly); the gradient is exact too: the same
+    products and sums autograd would form for ``(c*x0 - s*x1, s*x0 + c*x1)``.
+    """
+    return _Rotary.apply(x, table.a, table.b, table.a_t, table.b_t)
 
 
 def with_text_identity(
@@ -264,22 +464,29 @@ def clip_frame_ids(clip_grids: Sequence[tuple[int, int, int]], device: torch.dev
     return torch.cat(ids)
 
 
-def build_column_masks(
+def build_attention_bias(
     text_valid: torch.Tensor,
     frame_ids: Sequence[torch.Tensor],
     num_columns: int,
     temporal_causal: bool,
+    dtype: torch.dtype,
 ) -> list[torch.Tensor]:
-    """One boolean attention mask ``[Bc, 1, L+n_k, L+n_k]`` per column (True = may attend).
+    """One additive attention mask ``[Bc, 1, L+n_k, L+n_k]`` per column: 0 where a query may attend, else
+    :data:`MASKED`.
 
     ``text_valid`` is ``[K*Bc, L]`` (interleaved rows); ``frame_ids[k]`` is ``[n_k]``. A query sees a key iff
     both are real tokens or both are text padding (padding tokens only see each other, so they never leak
     into real tokens), and -- when ``temporal_causal`` -- the key's frame is not later than the query's
     (text is frame 0). The diagonal is always allowed, so no row is empty.
+
+    SDPA would otherwise convert a boolean mask to such a tensor (in the query dtype ``dtype``) on every call
+    of every block; building them once here saves those kernels and the copy each block's backward would
+    keep. Rows are padded in storage to a multiple of 8 elements, the alignment the memory-efficient CUDA
+    kernel needs, which it would otherwise restore by padding a copy per call.
     """
     valid_cols = by_column(text_valid, num_columns)  # [Bc, K, L]
     bc, text_len = valid_cols.shape[0], valid_cols.shape[2]
-    masks = []
+    biases = []
     for k, frames in enumerate(frame_ids):
         image_valid = valid_cols.new_ones(bc, frames.shape[0])
         valid = torch.cat([valid_cols[:, k], image_valid], dim=1)  # [Bc, S]
@@ -287,18 +494,32 @@ def build_column_masks(
         if temporal_causal:
             order = torch.cat([frames.new_zeros(text_len), frames])  # [S]
             mask = mask & (order[:, None] >= order[None, :])[None]
-        masks.append(mask[:, None])  # [Bc, 1, S, S]
-    return masks
+        size = mask.shape[-1]
+        row = (size + 7) // 8 * 8  # row stride: a multiple of 8 elements
+        storage = torch.full((bc, 1, size, row), MASKED, dtype=dtype, device=mask.device)
+        biases.append(storage[..., :size].masked_fill_(mask[:, None], 0.0))  # [Bc, 1, S, S]
+    return biases
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """SDPA with an explicit boolean mask; ``q, k, v [B, S, H, hd]`` -> ``[B, Sq, H*hd]``.
+def attention_dtype(hidden_states: torch.Tensor) -> torch.dtype:
+    """The dtype q/k/v will have in the blocks fed ``hidden_states``: autocast's when it is on, else its own."""
+    device_type = hidden_states.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return hidden_states.dtype
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """SDPA with an explicit additive mask (:func:`build_attention_bias`); ``q, k, v [B, S, H, hd]`` ->
+    ``[B, Sq, H*hd]``.
 
     Every attention call of both DiTs goes through here: PyTorch picks a fused kernel that accepts the mask
     (memory-efficient / cuDNN on GPU, the flash-style CPU kernel), never one that would drop it.
     """
+    if bias.dtype != q.dtype:  # a layout built for another dtype than the blocks run in
+        bias = bias.to(q.dtype)
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias
     )  # [B, H, Sq, hd]
     return out.transpose(1, 2).flatten(2)  # [B, Sq, H*hd]
 
@@ -311,9 +532,9 @@ class PyramidLayout:
     batch: int  # Bc, items per column
     text_len: int  # L
     image_lengths: list[int]  # n_k: image tokens of column k (all clips)
-    masks: list[torch.Tensor]  # per column [Bc, 1, L+n_k, L+n_k] bool
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin) [N, hd/2] for the image tokens
-    joint_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # same for [text_k; image_k] layout
+    attn_bias: list[torch.Tensor]  # per column [Bc, 1, L+n_k, L+n_k] additive (0 / MASKED)
+    rope: RotaryTable | None = None  # for the image tokens [N]
+    joint_rope: RotaryTable | None = None  # for the [text_k; image_k] layout (text: identity)
 
     @property
     def joint_lengths(self) -> list[int]:
@@ -480,29 +701,39 @@ class DualStreamAttention(nn.Module):
         if self.norm_q is not None:
             q, k = self.norm_q(q), self.norm_k(k)
         if layout.rope is not None:
-            q, k = apply_rope(q, *layout.rope), apply_rope(k, *layout.rope)
-        # text side: [K*Bc, L, D] -> [Bc, K, L, H, hd]
+            q, k = apply_rope(q, layout.rope), apply_rope(k, layout.rope)
+        # text side: [K*Bc, L, D] -> [K*Bc, L, H, hd]
         norm_cq, norm_ck = getattr(self, self._ctx_q), getattr(self, self._ctx_k)
         cq = self._heads(self.add_q_proj(encoder_hidden_states))
         ck = self._heads(self.add_k_proj(encoder_hidden_states))
         cv = self._heads(self.add_v_proj(encoder_hidden_states))
         if norm_cq is not None:
             cq, ck = norm_cq(cq), norm_ck(ck)
-        cq, ck, cv = (by_column(t, layout.num_columns) for t in (cq, ck, cv))
+        # per column [Bc, L, H, hd]: unbind and split (not indexing/slicing) so that backward reassembles each
+        # gradient with one stack/cat instead of zero-filling a full-size tensor per piece and adding them up
+        cq, ck, cv = (by_column(t, layout.num_columns).unbind(1) for t in (cq, ck, cv))
 
         lengths, text_len = layout.image_lengths, layout.text_len
         image_out, text_out = [], []
-        for col, (qi, ki, vi) in enumerate(
-            zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1), strict=True)
+        for cq_col, ck_col, cv_col, qi, ki, vi, bias in zip(
+            cq,
+            ck,
+            cv,
+            q.split(lengths, 1),
+            k.split(lengths, 1),
+            v.split(lengths, 1),
+            layout.attn_bias,
+            strict=True,
         ):
             out = masked_attention(
-                torch.cat([cq[:, col], qi], dim=1),  # [Bc, L+n_k, H, hd]
-                torch.cat([ck[:, col], ki], dim=1),
-                torch.cat([cv[:, col], vi], dim=1),
-                layout.masks[col],
+                torch.cat([cq_col, qi], dim=1),  # [Bc, L+n_k, H, hd]
+                torch.cat([ck_col, ki], dim=1),
+                torch.cat([cv_col, vi], dim=1),
+                bias,
             )  # [Bc, L+n_k, H*hd]
-            text_out.append(out[:, :text_len])
-            image_out.append(out[:, text_len:])
+            text_part, image_part = out.split([text_len, qi.shape[1]], dim=1)
+            text_out.append(text_part)
+            image_out.append(image_part)
         image = self.to_out[1](self.to_out[0](torch.cat(image_out, dim=1)))  # [Bc, N, D]
         if self.context_pre_only:
             return image, None
@@ -563,9 +794,9 @@ class DualStreamBlock(nn.Module):
 
         attn_x, attn_c = self.attn(norm_x, norm_c, layout)
 
-        x = x + gate_columns(attn_x, lengths, gate_msa)
+        x = gated_residual(x, attn_x, lengths, gate_msa)
         norm_x = modulate_columns(layer_norm(x), lengths, shift_mlp, scale_mlp)
-        x = x + gate_columns(self.ff(norm_x), lengths, gate_mlp)
+        x = gated_residual(x, self.ff(norm_x), lengths, gate_mlp)
 
         if self.context_pre_only:
             return x, None

@@ -37,19 +37,21 @@ from pfctl.models.dit_common import (
     RMSNorm,
     TimestepTextEmbedding,
     apply_rope,
-    build_column_masks,
+    attention_dtype,
+    build_attention_bias,
     by_column,
     check_forward_inputs,
     check_ratio,
     clip_frame_ids,
     final_layer,
-    gate_columns,
+    gated_residual,
     init_reference_weights,
     layer_norm,
     masked_attention,
     modulate_columns,
     note_flash_flag,
     rope_tables,
+    rotary_table,
     with_text_identity,
 )
 
@@ -93,12 +95,12 @@ class FluxSingleAttention(nn.Module):
         q = self.norm_q(self.to_q(x).unflatten(-1, (self.heads, self.head_dim)))  # [Bc, T, H, hd]
         k = self.norm_k(self.to_k(x).unflatten(-1, (self.heads, self.head_dim)))
         v = self.to_v(x).unflatten(-1, (self.heads, self.head_dim))
-        q, k = apply_rope(q, *layout.joint_rope), apply_rope(k, *layout.joint_rope)
+        q, k = apply_rope(q, layout.joint_rope), apply_rope(k, layout.joint_rope)
         lengths = layout.joint_lengths
         outs = [
-            masked_attention(qc, kc, vc, mask)
-            for qc, kc, vc, mask in zip(
-                q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1), layout.masks, strict=True
+            masked_attention(qc, kc, vc, bias)
+            for qc, kc, vc, bias in zip(
+                q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1), layout.attn_bias, strict=True
             )
         ]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
@@ -123,7 +125,7 @@ class FluxSingleTransformerBlock(nn.Module):
         norm_x = modulate_columns(layer_norm(hidden_states), lengths, shift, scale)
         mlp = self.act_mlp(self.proj_mlp(norm_x))  # [Bc, T, 4D]
         attn = self.attn(norm_x, layout)  # [Bc, T, D]
-        out = hidden_states + gate_columns(self.proj_out(torch.cat([attn, mlp], dim=2)), lengths, gate)
+        out = gated_residual(hidden_states, self.proj_out(torch.cat([attn, mlp], dim=2)), lengths, gate)
         if out.dtype == torch.float16:
             out = out.clip(-65504, 65504)
         return out
@@ -249,23 +251,35 @@ class PyramidFluxTransformer(BlockCheckpointing, ModelMixin, ConfigMixin):
         return torch.cat(out, dim=0)
 
     def build_layout(
-        self, grids: list[list[tuple[int, int, int]]], encoder_attention_mask: torch.Tensor, batch: int
+        self,
+        grids: list[list[tuple[int, int, int]]],
+        encoder_attention_mask: torch.Tensor,
+        batch: int,
+        attn_dtype: torch.dtype,
     ) -> PyramidLayout:
-        """Token counts, RoPE tables and masks of one call (shapes only; built once per forward)."""
+        """Token counts, RoPE tables and attention masks (in ``attn_dtype``, the dtype of q) of one call
+        (shapes only; built once per forward)."""
         device = encoder_attention_mask.device
         image_lengths = [sum(t * h * w for t, h, w in col) for col in grids]
         positions = torch.cat([self._positions(col, device) for col in grids], dim=0)  # [N, 3]
-        rope = rope_tables(positions, self.config.axes_dims_rope)  # 2 x [N, hd/2]
+        cos, sin = rope_tables(positions, self.config.axes_dims_rope)  # 2 x [N, hd/2]
         text_len = encoder_attention_mask.shape[1]
-        masks = build_column_masks(
+        attn_bias = build_attention_bias(
             encoder_attention_mask != 0,
             [clip_frame_ids(col, device) for col in grids],
             len(grids),
             self.config.use_temporal_causal,
+            attn_dtype,
         )
-        layout = PyramidLayout(len(grids), batch, text_len, image_lengths, masks, rope=rope)
-        layout.joint_rope = with_text_identity(*rope, image_lengths, text_len)
-        return layout
+        return PyramidLayout(
+            len(grids),
+            batch,
+            text_len,
+            image_lengths,
+            attn_bias,
+            rope=rotary_table(cos, sin),
+            joint_rope=rotary_table(*with_text_identity(cos, sin, image_lengths, text_len)),
+        )
 
     def forward(
         self,
@@ -294,25 +308,26 @@ class PyramidFluxTransformer(BlockCheckpointing, ModelMixin, ConfigMixin):
         )  # [Bc, N, D], columns then clips in order
 
         grids = [[(c.shape[2], c.shape[3] // PATCH, c.shape[4] // PATCH) for c in col] for col in columns]
-        layout = self.build_layout(grids, encoder_attention_mask, batch)
+        layout = self.build_layout(grids, encoder_attention_mask, batch, attention_dtype(image))
         limit = self._checkpoint_limit()
 
         for i, block in enumerate(self.transformer_blocks):
             image, text = self._run_block(i, limit, block, image, text, temb, layout)
 
         # single-stream layout: [text_0; image_0; text_1; image_1; ...] -> [Bc, sum(L + n_k), D]
-        text_cols = by_column(text, num_cols)  # [Bc, K, L, D]
+        # (unbind/split rather than indexing/slicing: backward reassembles with one stack/cat, no zero-fills)
         parts = []
-        for k, img in enumerate(image.split(layout.image_lengths, dim=1)):
-            parts += [text_cols[:, k], img]
+        for text_col, img in zip(
+            by_column(text, num_cols).unbind(1), image.split(layout.image_lengths, dim=1), strict=True
+        ):
+            parts += [text_col, img]
         hidden = torch.cat(parts, dim=1)
 
         offset = len(self.transformer_blocks)
         for i, block in enumerate(self.single_transformer_blocks):
             hidden = self._run_block(offset + i, limit, block, hidden, temb, layout)
 
-        image = torch.cat(
-            [p[:, layout.text_len :] for p in hidden.split(layout.joint_lengths, 1)], 1
-        )  # [Bc, N, D]
+        segments = [size for n in layout.image_lengths for size in (layout.text_len, n)]
+        image = torch.cat(hidden.split(segments, dim=1)[1::2], dim=1)  # [Bc, N, D]
         # K x [Bc, C, t, 2h, 2w]: the last clip of each column
         return final_layer(image, temb, layout, grids, PATCH, self.norm_out, self.proj_out)

@@ -40,7 +40,8 @@ from pfctl.models.dit_common import (
     DualStreamBlock,
     PyramidLayout,
     TimestepTextEmbedding,
-    build_column_masks,
+    attention_dtype,
+    build_attention_bias,
     check_forward_inputs,
     check_ratio,
     clip_frame_ids,
@@ -48,6 +49,7 @@ from pfctl.models.dit_common import (
     init_reference_weights,
     note_flash_flag,
     rope_tables,
+    rotary_table,
 )
 
 QK_EPS = 1e-5
@@ -285,22 +287,29 @@ class PyramidDiffusionMMDiT(BlockCheckpointing, ModelMixin, ConfigMixin):
         return torch.cat(tokens, dim=1)  # [Bc, n_k, D]
 
     def build_layout(
-        self, grids: list[list[tuple[int, int, int]]], encoder_attention_mask: torch.Tensor, batch: int
+        self,
+        grids: list[list[tuple[int, int, int]]],
+        encoder_attention_mask: torch.Tensor,
+        batch: int,
+        attn_dtype: torch.dtype,
     ) -> PyramidLayout:
-        """Token counts, temporal RoPE table and masks of one call (built once per forward)."""
+        """Token counts, temporal RoPE table and attention masks (in ``attn_dtype``, the dtype of q) of one call
+        (built once per forward)."""
         device = encoder_attention_mask.device
         frame_ids = [clip_frame_ids(col, device) for col in grids]
         text_valid = encoder_attention_mask != 0
         if not self.config.use_t5_mask:
             text_valid = torch.ones_like(text_valid)
-        masks = build_column_masks(text_valid, frame_ids, len(grids), self.config.use_temporal_causal)
+        attn_bias = build_attention_bias(
+            text_valid, frame_ids, len(grids), self.config.use_temporal_causal, attn_dtype
+        )
         rope = None
         if self.temporal_rope:
             frames = torch.cat(frame_ids).float()[:, None]  # [N, 1]
-            rope = rope_tables(frames, [self.config.attention_head_dim])
+            rope = rotary_table(*rope_tables(frames, [self.config.attention_head_dim]))
         image_lengths = [sum(t * h * w for t, h, w in col) for col in grids]
         return PyramidLayout(
-            len(grids), batch, encoder_attention_mask.shape[1], image_lengths, masks, rope=rope
+            len(grids), batch, encoder_attention_mask.shape[1], image_lengths, attn_bias, rope=rope
         )
 
     def forward(
@@ -322,7 +331,7 @@ class PyramidDiffusionMMDiT(BlockCheckpointing, ModelMixin, ConfigMixin):
         image = torch.cat([self._embed_column(col, k) for k, col in enumerate(columns)], dim=1)  # [Bc, N, D]
 
         grids = [[(c.shape[2], c.shape[3] // p, c.shape[4] // p) for c in col] for col in columns]
-        layout = self.build_layout(grids, encoder_attention_mask, batch)
+        layout = self.build_layout(grids, encoder_attention_mask, batch, attention_dtype(image))
         limit = self._checkpoint_limit()
         for i, block in enumerate(self.transformer_blocks):
             image, text = self._run_block(i, limit, block, image, text, temb, layout)

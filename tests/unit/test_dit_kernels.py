@@ -1,0 +1,204 @@
+"""The DiTs' fused elementwise pieces against the plain formulas they replace: bit-identical outputs and
+gradients (CPU, several dtype mixes), and no more kept for backward than autograd kept."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pfctl.models.dit_common import (
+    MASKED,
+    RMSNorm,
+    apply_rope,
+    build_attention_bias,
+    gated_residual,
+    masked_attention,
+    modulate_columns,
+    rotary_table,
+)
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+LENGTHS = [5, 12, 7]  # three columns of a pyramid batch
+
+
+def plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The reference RMS norm (with pfctl's cast back to the input dtype)."""
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    y = x * torch.rsqrt(variance + eps)
+    if weight.dtype in (FP16, BF16):
+        y = y.to(weight.dtype)
+    return (y * weight).to(x.dtype)
+
+
+def plain_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    pairs = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.stack([c * x0 - s * x1, s * x0 + c * x1], dim=-1).flatten(-2).type_as(x)
+
+
+def plain_modulate(x, lengths, shift, scale):
+    parts = x.split(lengths, dim=1)
+    return torch.cat([p * (1 + scale[:, k, None]) + shift[:, k, None] for k, p in enumerate(parts)], dim=1)
+
+
+def plain_gated_residual(residual, x, lengths, gate):
+    parts = x.split(lengths, dim=1)
+    return residual + torch.cat([gate[:, k, None] * p for k, p in enumerate(parts)], dim=1)
+
+
+def outputs_and_grads(fn, inputs: list[torch.Tensor], seed: int = 5) -> list[torch.Tensor]:
+    """``fn(*leaves)`` and the gradients of every leaf that requires one, for a fixed random cotangent."""
+    leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    out = fn(*leaves)
+    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
+    out.backward(cotangent)
+    return [out.detach()] + [t.grad for t in leaves if t.requires_grad]
+
+
+def assert_bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert x.dtype == y.dtype and x.shape == y.shape, i
+        assert torch.equal(x, y), f"tensor {i}: max |diff| {(x.float() - y.float()).abs().max().item()}"
+
+
+def randn(
+    *shape: int, dtype: torch.dtype, scale: float = 1.0, seed: int = 0, grad: bool = True
+) -> torch.Tensor:
+    t = (scale * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))).to(dtype)
+    return t.requires_grad_(grad)
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("x_dtype", "w_dtype"),
+    [(FP32, FP32), (BF16, FP32), (BF16, BF16), (FP16, FP16), (FP16, FP32), (FP32, BF16)],
+)
+@pytest.mark.parametrize("scale", [0.01, 1.0, 30.0])
+@pytest.mark.parametrize("weight_trains", [True, False])
+def test_rms_norm_matches_the_reference_bit_for_bit(x_dtype, w_dtype, scale, weight_trains) -> None:
+    norm = RMSNorm(64, eps=1e-6)
+    weight = (1 + 0.1 * torch.randn(64, generator=torch.Generator().manual_seed(1))).to(w_dtype)
+    inputs = [randn(2, 9, 3, 64, dtype=x_dtype, scale=scale), weight.requires_grad_(weight_trains)]
+    assert_bitwise(
+        outputs_and_grads(lambda x, w: torch.func.functional_call(norm, {"weight": w}, (x,)), inputs),
+        outputs_and_grads(lambda x, w: plain_rms_norm(x, w, 1e-6), inputs),
+    )
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16, FP16])
+def test_rope_matches_the_reference_bit_for_bit(dtype: torch.dtype) -> None:
+    seq = 11
+    angles = torch.rand(seq, 16, generator=torch.Generator().manual_seed(2)) * 50
+    angles[:3] = 0  # identity rows, as the text tokens of the single-stream layout
+    cos, sin = angles.cos(), angles.sin()
+    table = rotary_table(cos, sin)
+    inputs = [randn(2, seq, 3, 32, dtype=dtype)]
+    assert_bitwise(
+        outputs_and_grads(lambda x: apply_rope(x, table), inputs),
+        outputs_and_grads(lambda x: plain_rope(x, cos, sin), inputs),
+    )
+
+
+# autocast training: fp32 layer-norm output, bf16 modulation; bf16 generation; fp32 parity
+@pytest.mark.parametrize(("x_dtype", "mod_dtype"), [(FP32, BF16), (BF16, BF16), (FP32, FP32)])
+@pytest.mark.parametrize("lengths", [LENGTHS, [17]])
+def test_modulate_columns_matches_per_column_formula(x_dtype, mod_dtype, lengths) -> None:
+    k = len(lengths)
+    inputs = [
+        randn(2, sum(lengths), 16, dtype=x_dtype, seed=0),
+        randn(2, k, 16, dtype=mod_dtype, scale=0.3, seed=1),
+        randn(2, k, 16, dtype=mod_dtype, scale=0.3, seed=2),
+    ]
+    assert_bitwise(
+        outputs_and_grads(lambda x, b, s: modulate_columns(x, lengths, b, s), inputs),
+        outputs_and_grads(lambda x, b, s: plain_modulate(x, lengths, b, s), inputs),
+    )
+
+
+# bf16 residual stream (Flux under autocast), fp32 residual with a bf16 branch (MMDiT), all fp32
+@pytest.mark.parametrize(("res_dtype", "x_dtype"), [(BF16, BF16), (FP32, BF16), (FP32, FP32)])
+@pytest.mark.parametrize("lengths", [LENGTHS, [17]])
+def test_gated_residual_matches_per_column_formula(res_dtype, x_dtype, lengths) -> None:
+    inputs = [
+        randn(2, sum(lengths), 16, dtype=res_dtype, seed=0),
+        randn(2, sum(lengths), 16, dtype=x_dtype, seed=1),
+        randn(2, len(lengths), 16, dtype=x_dtype, scale=0.3, seed=2),
+    ]
+    assert_bitwise(
+        outputs_and_grads(lambda r, x, g: gated_residual(r, x, lengths, g), inputs),
+        outputs_and_grads(lambda r, x, g: plain_gated_residual(r, x, lengths, g), inputs),
+    )
+
+
+def saved_bytes(fn) -> int:
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("modulation_trains", [True, False])
+def test_modulation_keeps_no_more_than_autograd(modulation_trains: bool) -> None:
+    """A frozen modulation (LoRA) must not keep the full-size input that only its gradient needs."""
+    x = randn(2, sum(LENGTHS), 64, dtype=FP32)
+    shift = randn(2, 3, 64, dtype=BF16, grad=modulation_trains, seed=1)
+    scale = randn(2, 3, 64, dtype=BF16, grad=modulation_trains, seed=2)
+    assert saved_bytes(lambda: modulate_columns(x, LENGTHS, shift, scale)) <= saved_bytes(
+        lambda: plain_modulate(x, LENGTHS, shift, scale)
+    )
+
+
+def test_rms_norm_keeps_less_than_autograd() -> None:
+    x, weight = randn(2, 9, 3, 64, dtype=BF16), torch.ones(64, requires_grad=True)
+    norm = RMSNorm(64, eps=1e-6)
+    fused = saved_bytes(lambda: norm(x))
+    assert fused < saved_bytes(lambda: plain_rms_norm(x, weight, 1e-6))
+    assert fused <= x.nbytes + x[..., :1].float().nbytes + weight.nbytes  # x, rstd and the weight only
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16, FP16])
+@pytest.mark.parametrize(("text_len", "image_len"), [(3, 5), (300, 500)])
+def test_attention_bias_matches_the_boolean_mask_bit_for_bit(dtype, text_len, image_len) -> None:
+    """Long case: text-padding queries see only the last few text keys, so whole leading key blocks of the
+    fused kernel are masked for them (where a -inf bias needs care and a finite one must rescale to 0)."""
+    valid = torch.tensor([text_len, text_len - 1, 2, text_len - 3])  # K=2 columns, Bc=2, interleaved rows
+    text_valid = torch.arange(text_len)[None] < valid[:, None]
+    frames = [torch.arange(image_len) // 4, torch.arange(image_len) // 7]
+    biases = build_attention_bias(text_valid, frames, 2, temporal_causal=True, dtype=dtype)
+    for k, bias in enumerate(biases):
+        size = text_len + image_len
+        assert bias.shape == (2, 1, size, size) and bias.dtype == dtype
+        assert all(stride % 8 == 0 for stride in bias.stride()[:-1])  # memory-efficient kernel alignment
+        allowed = bias == 0
+        assert torch.equal(bias, torch.where(allowed, 0.0, MASKED).to(dtype))
+        assert allowed.diagonal(dim1=-2, dim2=-1).all()
+        assert torch.equal(
+            allowed[:, 0, text_len:, text_len:], (frames[k][:, None] >= frames[k][None]).expand(2, -1, -1)
+        )
+
+        q, kk, v = (randn(2, size, 2, 8, dtype=dtype, scale=3.0, seed=s) for s in range(3))
+        fused = outputs_and_grads(lambda a, b, c, bias=bias: masked_attention(a, b, c, bias), [q, kk, v])
+        plain = outputs_and_grads(
+            lambda a, b, c, mask=allowed: (
+                F.scaled_dot_product_attention(
+                    a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2), attn_mask=mask
+                )
+                .transpose(1, 2)
+                .flatten(2)
+            ),
+            [q, kk, v],
+        )
+        assert_bitwise(fused, plain)
