@@ -134,7 +134,7 @@ class GenerateConfig(Section):
     (encode prompts → sample → decode); saves several GB of GPU memory."""
     compile: bool = False
     """``torch.compile`` each DiT block (dynamic shapes, CUDA only). The first video pays the compilation
-    (~30 s on an H200), later ones sample faster (5 s at 384p: 16.3 s → 10.7 s); worth it for several
+    (~30 s on an H200), later ones sample faster (5 s at 384p: 15.6 s → 10.4 s); worth it for several
     videos in one run."""
     cuda_graphs: bool = True
     """Replay each stage's DiT forward as a CUDA graph after its first step: the same kernels
