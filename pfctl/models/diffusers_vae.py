@@ -228,6 +228,9 @@ class DiffusersVideoVAE:
             "AutoencoderKLMochi": "mochi",
         }[self.class_name]
         self.temporal_factor, self.spatial_factor = self._factors()
+        #: bytes of parked norm inputs the exact encode keeps on the GPU before it offloads the rest to
+        #: host memory (``offload_above`` of ``exact_chunked_encode``); None = keep everything on the GPU
+        self.exact_offload_above: int | None = None
 
     # ------------------------------------------------------------------ shape facts
     def _factors(self) -> tuple[int, int]:
@@ -426,6 +429,7 @@ class DiffusersVideoVAE:
             from pfctl.verify.exact import exact_chunked_encode
 
             plan = self.chunk_plan(x.shape[2], chunk_frames)
+            kw.setdefault("offload_above", self.exact_offload_above)
             return exact_chunked_encode(self, x, plan, **kw).moments
         if self.family == "wan":  # every norm is channel-only: the cached framewise path is already exact
             return self._encode_framewise(x, chunk_frames)

@@ -178,6 +178,8 @@ def run_verify(config: RecipeConfig) -> GroupNormReport:
     device = resolve_device(vc.device or config.runtime.device)
     notes: list[str] = []
     vae, spec, load_notes = load_any_vae(vc.vae, device=device, seed=vc.seed)
+    if vc.exact_offload_above_gib is not None and hasattr(vae, "exact_offload_above"):
+        vae.exact_offload_above = int(vc.exact_offload_above_gib * 2**30)
     notes += load_notes
     is_demo = _is_demo(vae, spec)
     if is_demo:
@@ -358,7 +360,8 @@ def _exact_result(vae: Any, x: torch.Tensor, chunk_frames: int | None) -> int | 
     if getattr(vae, "uses_exact_engine", False):
         from pfctl.verify.exact import exact_chunked_encode
 
-        res = exact_chunked_encode(vae, x, _chunk_plan(vae, x.shape[2], chunk_frames))
+        plan = _chunk_plan(vae, x.shape[2], chunk_frames)
+        res = exact_chunked_encode(vae, x, plan, offload_above=getattr(vae, "exact_offload_above", None))
         return res.peak_held_bytes
     vae.encode(x, chunking="exact", chunk_frames=chunk_frames)
     return None

@@ -100,3 +100,17 @@ def test_exit_2_on_usage_errors(tmp_path):
     assert _invoke(["--vae", str(tmp_path / "missing")]).exit_code == 2
     assert _invoke(["--vae", "wan-tiny", "--video", str(tmp_path / "none.mp4"), *SMALL]).exit_code == 2
     assert _invoke(["--frames", "0"]).exit_code == 2
+
+
+def test_exact_offload_budget_gives_the_same_exact_encode(tmp_path):
+    """verify.exact_offload_above_gib=0 parks every norm input in host memory: same exact path numbers."""
+    runs = {}
+    for name, extra in (("gpu", []), ("offload", ["--set", "verify.exact_offload_above_gib=0"])):
+        out = tmp_path / f"{name}.json"
+        res = _invoke(
+            ["--vae", "cogvideox-tiny", *SMALL, "--set", "verify.dtypes=[fp32]", *extra, "--json", str(out)]
+        )
+        assert res.exit_code == 1, res.output  # the library's chunked path fails; the exact one must not
+        runs[name] = next(p for p in json.loads(out.read_text())["paths"] if p["name"] == "exact")
+    assert runs["offload"]["status"] == "pass"
+    assert runs["offload"] == runs["gpu"]
