@@ -155,3 +155,25 @@ def test_causal_vae_channels_last_on_cuda_equals_default() -> None:
     assert pixels_cl.is_contiguous(memory_format=torch.channels_last_3d)
     torch.testing.assert_close(mean_cl, mean, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(pixels_cl, pixels, rtol=1e-4, atol=1e-4)
+
+
+@gpu
+@pytest.mark.parametrize("weights_channels_last", [False, True])
+def test_causal_vae_encodes_a_channels_last_input_on_cuda(weights_channels_last: bool) -> None:
+    """encode-latents feeds the VAE a (T, H, W, C)-stored clip (uint8 frames permuted, scaled on the GPU).
+    With channels-last weights that failed every clip in an H200 run (cause not established), so the
+    adapter encodes in the default layout; this pins both combinations against a contiguous input."""
+    from pfctl.data.video import to_model_input
+    from pfctl.models.vae import build_tiny_causal_vae
+
+    model = build_tiny_causal_vae().cuda().to(torch.bfloat16).use_channels_last(weights_channels_last)
+    frames = torch.randint(
+        0, 256, (17, 32, 48, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
+    video = to_model_input(frames.cuda()).to(torch.bfloat16).unsqueeze(0)
+    assert video.is_contiguous(memory_format=torch.channels_last_3d)
+    with torch.no_grad():
+        mean = model.encode(video, temporal_chunk=True, window_size=8).mean
+        ref = model.encode(video.contiguous(), temporal_chunk=True, window_size=8).mean
+    assert torch.isfinite(mean).all()
+    torch.testing.assert_close(mean.float(), ref.float(), rtol=2e-2, atol=2e-2)
