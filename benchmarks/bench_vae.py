@@ -29,6 +29,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from bench_generate import REAL_VAE  # noqa: E402
+from bench_reference import _sync, import_reference  # noqa: E402
 
 # (work, latent or pixel shape, window, tile); window/tile None = no chunking / no tiling
 DECODE_384 = (1, 16, 16, 48, 80)
@@ -74,8 +75,6 @@ def build(device: torch.device, dtype: torch.dtype, small: bool):
 
 
 def build_reference(root: Path, pfctl_model, config: dict, device: torch.device, dtype: torch.dtype):
-    from bench_reference import import_reference
-
     import_reference(root)  # stubs and sys.path
     from video_vae.modeling_causal_vae import CausalVideoVAE as Reference
 
@@ -84,11 +83,6 @@ def build_reference(root: Path, pfctl_model, config: dict, device: torch.device,
     if missing or unexpected:
         raise SystemExit(f"reference VAE keys differ: missing {missing[:5]}, unexpected {unexpected[:5]}")
     return ref.to(device=device, dtype=dtype).eval()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def measure(fn, device: torch.device, repeats: int) -> tuple[torch.Tensor, float, float | None]:

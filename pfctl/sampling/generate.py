@@ -320,8 +320,7 @@ def resolve_decode_tile(
     if tile != "auto":
         return tile  # type: ignore[return-value]
     fixed, per_frame = UNTILED_DECODE_BYTES_PER_PIXEL
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    need = (fixed + per_frame * window) * height * width * itemsize / 2
+    need = (fixed + per_frame * window) * height * width * dtype.itemsize / 2
     return None if need <= 0.8 * available else AUTO_TILE
 
 
