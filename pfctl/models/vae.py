@@ -300,8 +300,9 @@ class PyramidCausalVAE:
                 temporal_chunk=chunking != "none",
                 window_size=window,
                 tile_sample_min_size=tile,
+                output_dtype=torch.float32,
             )
-        return video.float().contiguous()
+        return video.contiguous()
 
     # -- normalisation / identity --------------------------------------------------------------
     def normalize(self, z: Tensor) -> Tensor:

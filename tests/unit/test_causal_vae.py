@@ -135,6 +135,80 @@ def test_tiled_shapes_and_no_tiling_when_small(vae: CausalVideoVAE) -> None:
         assert torch.equal(vae.decode(z, tile_sample_min_size=128), vae.decode(z))
 
 
+def _reference_stitch(tiles: list[list[torch.Tensor]], extent: int, keep: int) -> torch.Tensor:
+    """The reference's tiling epilogue, written out independently: collect every tile, blend
+    row by row with Python-float weights (above first, then left), keep the top-left parts."""
+
+    def blend(prev: torch.Tensor, cur: torch.Tensor, dim: int) -> torch.Tensor:
+        e = min(prev.shape[dim], cur.shape[dim], extent)
+        cur = cur.clone()
+        for y in range(e):
+            mixed = prev.select(dim, prev.shape[dim] - e + y) * (1 - y / e) + cur.select(dim, y) * (y / e)
+            cur.select(dim, y).copy_(mixed)
+        return cur
+
+    rows = []
+    for r, row in enumerate(tiles):
+        done = []
+        for c, tile in enumerate(row):
+            if r:
+                tile = blend(tiles[r - 1][c], tile, 3)
+            if c:
+                tile = blend(done[-1], tile, 4)
+            done.append(tile)
+        tiles[r] = done
+        rows.append(torch.cat([t[:, :, :, :keep, :keep] for t in done], dim=4))
+    return torch.cat(rows, dim=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_stitching_is_the_reference_bitwise(dtype: torch.dtype) -> None:
+    """Tiles stream into the output keeping only their edges; the result must be exactly the
+    collect-then-blend epilogue of the reference (ragged last row and column included)."""
+    vae = build_tiny_causal_vae().to(dtype)
+    gen = torch.Generator().manual_seed(5)
+    z = torch.randn(1, 16, 2, 11, 7, generator=gen).to(dtype)  # tile 4 latents, step 3: ragged edges
+    x = (torch.rand(1, 3, 9, 88, 56, generator=gen) * 2 - 1).to(dtype)  # tile 32 px, step 24
+    with torch.no_grad():
+        ours = vae.decode(z, temporal_chunk=True, window_size=1, tile_sample_min_size=32)
+        tiles = [
+            [vae.decode(z[..., i : i + 4, j : j + 4], temporal_chunk=True, window_size=1) for j in range(0, 7, 3)]
+            for i in range(0, 11, 3)
+        ]
+        assert torch.equal(ours, _reference_stitch(tiles, extent=8, keep=24))
+        ours = vae.encode(x, tile_sample_min_size=32).moments
+        tiles = [
+            [vae.encode(x[..., i : i + 32, j : j + 32]).moments for j in range(0, 56, 24)]
+            for i in range(0, 88, 24)
+        ]
+        assert torch.equal(ours, _reference_stitch(tiles, extent=1, keep=3))
+
+
+def test_decode_output_dtype_is_a_lossless_cast() -> None:
+    vae = build_tiny_causal_vae().to(torch.bfloat16)
+    z = torch.randn(1, 16, 3, 6, 5, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    for kwargs in ({}, {"temporal_chunk": True, "window_size": 1}, {"tile_sample_min_size": 32}):
+        with torch.no_grad():
+            plain = vae.decode(z, **kwargs)
+            wide = vae.decode(z, output_dtype=torch.float32, **kwargs)
+        assert plain.dtype == torch.bfloat16 and wide.dtype == torch.float32
+        assert torch.equal(wide, plain.float()), kwargs
+
+
+def test_frame_cache_holds_only_the_context_frames(vae: CausalVideoVAE) -> None:
+    """Each conv keeps the few frames the next chunk needs as its own copy: a view would keep the
+    chunk's whole (padded) input alive, which at full resolution is hundreds of MB per layer."""
+    cache = FrameCache()
+    z = torch.randn(1, 16, 3, 4, 4, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        vae.decoder(vae.post_quant_conv(z, cache), cache)
+    kept = list(cache._tails.values())
+    assert kept
+    for frames in kept:
+        assert frames.shape[2] <= 2
+        assert frames.untyped_storage().nbytes() == frames.numel() * frames.element_size()
+
+
 # ---- training / purity -------------------------------------------------------------------------------
 
 

@@ -140,7 +140,12 @@ class CausalConv3d(nn.Module):
     frames of the previous chunk that the next output window still needs: ``kernel_t - 1``
     frames for stride 1 and, for stride 2, the frames from the start of the next window on
     (one frame for the odd padded lengths that valid chunk sizes produce). That is exactly what
-    the unchunked convolution would have seen.
+    the unchunked convolution would have seen. Those frames are *copied* into the cache: a view
+    would keep the whole chunk's input alive until the next chunk (at full resolution, hundreds
+    of MB per layer).
+
+    Spatial zero padding is the convolution's own (cuDNN pads on the fly); only the temporal
+    context is concatenated, so the input is copied at most once.
     """
 
     def __init__(
@@ -160,21 +165,27 @@ class CausalConv3d(nn.Module):
         self.temporal_stride = stride3[0]
         self.time_pad = dilation * (kt - 1)
         self._span = self.time_pad + 1  # frames covered by one temporal window
-        self._causal_pad = (kw // 2, kw // 2, kh // 2, kh // 2, self.time_pad, 0)
-        self._spatial_pad = (kw // 2, kw // 2, kh // 2, kh // 2, 0, 0)
         self.conv = nn.Conv3d(
-            in_channels, out_channels, (kt, kh, kw), stride=stride3, padding=0, dilation=dilation, bias=bias
+            in_channels,
+            out_channels,
+            (kt, kh, kw),
+            stride=stride3,
+            padding=(0, kh // 2, kw // 2),
+            dilation=dilation,
+            bias=bias,
         )
 
     def forward(self, x: Tensor, cache: FrameCache | None = None) -> Tensor:
-        if cache is None or cache.first_chunk or self.time_pad == 0:
-            x = F.pad(x, self._causal_pad if (cache is None or cache.first_chunk) else self._spatial_pad)
+        if self.time_pad == 0:
+            return self.conv(x)
+        if cache is None or cache.first_chunk:
+            x = F.pad(x, (0, 0, 0, 0, self.time_pad, 0))
         else:
-            x = torch.cat([cache.get(self), F.pad(x, self._spatial_pad)], dim=2)
-        if cache is not None and self.time_pad > 0:
+            x = torch.cat([cache.get(self), x], dim=2)
+        if cache is not None:
             # where the next output window starts, in this padded input's frame index
             n = x.shape[2]
             s = self.temporal_stride
             next_start = s * ((n - self._span) // s + 1)
-            cache.put(self, x[:, :, next_start:].detach())
+            cache.put(self, x[:, :, next_start:].detach().clone())
         return self.conv(x)
