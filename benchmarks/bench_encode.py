@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     from pfctl.config.schema import RuntimeConfig
     from pfctl.data.encode import frame_settings, run_encode
     from pfctl.data.video import FrameContract
+    from pfctl.errors import CheckFailed
     from pfctl.runtime.accelerator import build_runtime
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -131,7 +132,12 @@ def main(argv: list[str] | None = None) -> int:
             config = load_config(None, [], flags)
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            report = run_encode(config, runtime=runtime)
+            try:
+                report = run_encode(config, runtime=runtime)
+            except CheckFailed:  # show why clips failed: the failure log dies with the temp folder
+                log = tmp / f"cache-{chunking}" / "failures.jsonl"
+                print("".join(log.read_text().splitlines(keepends=True)[:3]) if log.is_file() else "no log")
+                raise
             assert report.encoded == clips and report.failed == 0, report
             peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else _peak_rss_mib() / 1024
             rows.append((f"encode ({chunking})", report.clips_per_s, peak, report.encode_seconds))

@@ -43,7 +43,7 @@ def cases(small: bool) -> list[tuple[str, tuple[int, ...], int | None, int | Non
     d384 = SMALL["decode384"] if small else DECODE_384
     d768 = SMALL["decode768"] if small else DECODE_768
     e384 = SMALL["encode384"] if small else ENCODE_384
-    t256, t512 = (32, 64) if small else (256, 512)
+    t256, t384, t512 = (32, 64, 96) if small else (256, 384, 512)
     return [
         ("decode384", d384, 1, t256, True),  # the reference pipeline's save_memory decode
         ("decode384", d384, 2, None, False),
@@ -52,7 +52,8 @@ def cases(small: bool) -> list[tuple[str, tuple[int, ...], int | None, int | Non
         ("encode384", e384, 16 if not small else 8, None, True),
         ("decode768", d768, 2, None, True),  # the issue's untiled time to beat
         ("decode768", d768, 1, t256, True),  # the low-memory mode
-        ("decode768", d768, 2, t512, False),
+        ("decode768", d768, 2, t256, False),
+        ("decode768", d768, 1, t384, False),
         ("decode768", d768, 1, t512, False),
     ]
 
@@ -86,13 +87,15 @@ def build_reference(root: Path, pfctl_model, config: dict, device: torch.device,
 
 
 def measure(fn, device: torch.device, repeats: int) -> tuple[torch.Tensor, float, float | None]:
-    """Warm-up once, then the best of ``repeats`` timed runs and the peak memory over them."""
+    """Warm-up once, then the best of ``repeats`` timed runs and the peak memory over them (the
+    previous run's output is released first, so it is not counted twice)."""
     out = fn()
     _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     best = float("inf")
     for _ in range(repeats):
+        del out
         t0 = time.perf_counter()
         out = fn()
         _sync(device)
@@ -153,13 +156,12 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def top_kernels(fn, n: int = 12) -> list[dict]:
+def top_kernels(fn, n: int = 12) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    rows = []
     events = [
         e
         for e in prof.key_averages()
@@ -167,6 +169,7 @@ def top_kernels(fn, n: int = 12) -> list[dict]:
     ]
     events.sort(key=lambda e: e.self_device_time_total, reverse=True)
     total = sum(e.self_device_time_total for e in events)
+    rows = []
     for e in events[:n]:
         rows.append(
             {
@@ -176,7 +179,7 @@ def top_kernels(fn, n: int = 12) -> list[dict]:
                 "share": e.self_device_time_total / max(total, 1),
             }
         )
-    return rows
+    return {"kernel_s": total / 1e6, "top": rows}
 
 
 def main() -> None:
@@ -191,7 +194,11 @@ def main() -> None:
         default="contiguous,channels_last",
         help="pfctl activation layouts to time (channels_last = CausalVideoVAE.use_channels_last)",
     )
-    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one 384p decode")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="print the top CUDA kernels of the first tiled decode and encode of each work",
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     device = torch.device(args.device)
@@ -246,18 +253,39 @@ def main() -> None:
             print(json.dumps(results[-1]), flush=True)
             del out
         outputs.clear()
-        if args.profile and device.type == "cuda" and work == "decode384" and tile is not None:
+        # the first tiled decode and the first encode of each work: is it launch-bound (kernel time
+        # well under the wall time)? which kernels dominate?
+        first = not any(key.split()[1] == work for key in profiles)
+        if (
+            args.profile
+            and device.type == "cuda"
+            and first
+            and (tile is not None or work.startswith("encode"))
+        ):
             model.use_channels_last(True)
-            profiles["pfctl"] = top_kernels(pfctl_fn(model, work, x, window, tile))
-            if ref is not None:
-                profiles["reference"] = top_kernels(reference_fn(ref, work, x, window, tile, device))
+            case = f"{work} (window {window}, tile {tile})"
+            wall = next(r["seconds"] for r in results if r["impl"] == "pfctl/channels_last" and r["work"] == work
+                        and r["window"] == window and r["tile"] == tile)  # fmt: skip
+            profiles[f"pfctl {work}"] = {
+                "case": case,
+                "wall_s": wall,
+                **top_kernels(pfctl_fn(model, work, x, window, tile)),
+            }
+            if ref is not None and work == "decode384":
+                profiles[f"reference {work}"] = {
+                    "case": case,
+                    **top_kernels(reference_fn(ref, work, x, window, tile, device)),
+                }
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if args.json:
         args.json.write_text(json.dumps({"results": results, "profiles": profiles}, indent=1))
-    for side, rows in profiles.items():
-        print(f"\ntop CUDA kernels, {side} decode384 (window 1, tile 256):")
-        for r in rows:
+    for name, prof in profiles.items():
+        busy = (
+            f", GPU busy {prof['kernel_s'] / prof['wall_s']:.0%} of the timed run" if "wall_s" in prof else ""
+        )
+        print(f"\ntop CUDA kernels, {name} {prof['case']}: {prof['kernel_s']:.3f} s of kernels{busy}")
+        for r in prof["top"]:
             print(f"  {r['ms']:9.1f} ms {r['share']:6.1%} {r['calls']:6d}x  {r['kernel']}")
     print(
         f"\n{'work':<10} {'impl':<24} {'window':>6} {'tile':>5} {'seconds':>8} {'peak GiB':>9} {'relL2 vs pfctl':>15}"
