@@ -44,7 +44,7 @@ esac
 case ",$STEPS," in *,vae,*)
   echo "=== causal VAE alone, pfctl (both layouts) vs the reference VAE"
   CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_vae.py --device cuda --reference third_party/Pyramid-Flow --only decode384,encode384 --profile --json "$OUT/vae384.json" 2>&1 | grep -v '^{' | tail -40
-  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_vae.py --device cuda --reference third_party/Pyramid-Flow --only decode768 --repeats 1 --profile --json "$OUT/vae768.json" 2>&1 | grep -v '^{' | tail -8;;
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_vae.py --device cuda --reference third_party/Pyramid-Flow --only decode768 --repeats 1 --profile --json "$OUT/vae768.json" 2>&1 | grep -v "^{" | tail -30;;
 esac
 case ",$STEPS," in *,encode,*)
   echo "=== encode-latents end to end (121-frame 640x384 mp4)"; CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_encode.py --device cuda --chunking framewise --num-workers 4 2>&1 | tee "$OUT/encode.txt" | tail -6;;
