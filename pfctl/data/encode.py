@@ -51,6 +51,7 @@ from pfctl.data.video import (
     plan_image,
     probe_image,
     probe_video,
+    require_decord,
     to_model_input,
 )
 from pfctl.errors import CheckFailed, ConfigError, DistributedError, PfctlError
@@ -656,6 +657,8 @@ def run_encode(
             hint="pass --annotations FILE.jsonl|FILE.csv|FOLDER (or set encode.annotations)",
         )
     items = load_annotations(cfg.annotations)
+    if any(item.kind == "video" for item in items):
+        require_decord()
     vae_spec = resolve_vae_spec(config)
     dtype = resolve_dtype(config)
     text_source = resolve_text_folder(config)

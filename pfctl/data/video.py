@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from pfctl.data.buckets import Bucket, center_crop_box, cover_size, nearest_bucket
+from pfctl.errors import ConfigError
 
 if TYPE_CHECKING:
     from pfctl.data.annotations import Item
@@ -491,6 +492,21 @@ def resize_cover_crop(frames: torch.Tensor, bucket: Bucket) -> torch.Tensor:
         frames = x.round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
     x0, y0 = center_crop_box(new_w, new_h, bucket)
     return frames[:, y0 : y0 + bucket.height, x0 : x0 + bucket.width, :].contiguous()
+
+
+def require_decord() -> None:
+    """Raise :class:`ConfigError` (exit 2) when decord cannot be imported.
+
+    Called once before an encode that has videos to decode: otherwise every video would fail on
+    its own, inside the decode workers, and the run would end with a failure log and no latents.
+    """
+    try:
+        import decord  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(
+            f"encode-latents decodes videos with decord, which cannot be imported here ({exc})",
+            hint="install it: pip install decord (or the maintained fork decord2, same import name)",
+        ) from None
 
 
 def to_model_input(frames: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -241,6 +241,17 @@ def test_input_errors_exit_2(corpus: Path, tmp_path: Path, runtime) -> None:
     assert not (tmp_path / "c").exists()
 
 
+def test_missing_decord_is_one_clear_error(
+    corpus: Path, tmp_path: Path, runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without decord every video would fail on its own in the workers; say it once, up front."""
+    monkeypatch.setitem(sys.modules, "decord", None)  # makes `import decord` raise ImportError
+    with pytest.raises(ConfigError, match="decord") as err:
+        run_encode(_config(corpus / "train.jsonl", tmp_path / "c"), runtime=runtime)
+    assert err.value.exit_code == 2 and "pip install decord" in str(err.value)
+    assert not (tmp_path / "c").exists()
+
+
 # ------------------------------------------------------------------------------- real processes
 
 

@@ -172,7 +172,10 @@ def test_tiled_stitching_is_the_reference_bitwise(dtype: torch.dtype) -> None:
     with torch.no_grad():
         ours = vae.decode(z, temporal_chunk=True, window_size=1, tile_sample_min_size=32)
         tiles = [
-            [vae.decode(z[..., i : i + 4, j : j + 4], temporal_chunk=True, window_size=1) for j in range(0, 7, 3)]
+            [
+                vae.decode(z[..., i : i + 4, j : j + 4], temporal_chunk=True, window_size=1)
+                for j in range(0, 7, 3)
+            ]
             for i in range(0, 11, 3)
         ]
         assert torch.equal(ours, _reference_stitch(tiles, extent=8, keep=24))
