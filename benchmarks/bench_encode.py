@@ -77,7 +77,7 @@ def _decode_only(ann: Path, config, settings) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--clips", type=int, default=None, help="clips to encode (default: 6 CPU / 8 CUDA)")
+    parser.add_argument("--clips", type=int, default=None, help="clips to encode (default: 6 CPU / 24 CUDA)")
     parser.add_argument(
         "--frames", type=int, default=None, help="pixel frames per clip (default 17 CPU / 121 CUDA)"
     )
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device == "cuda"
-    clips = args.clips or (8 if cuda else 6)
+    clips = args.clips or (24 if cuda else 6)
     frames = args.frames or (121 if cuda else 17)
     width, height = (int(v) for v in (args.size or ("640x384" if cuda else "128x80")).split("x"))
     vae_kind = args.vae if args.vae != "auto" else ("real" if cuda else "tiny")

@@ -31,6 +31,8 @@ sys.path.insert(0, str(HERE))
 from bench_generate import REAL_VAE  # noqa: E402
 from bench_reference import _sync, import_reference  # noqa: E402
 
+from pfctl.models.causal_vae import fused  # noqa: E402
+
 # (work, latent or pixel shape, window, tile); window/tile None = no chunking / no tiling
 DECODE_384 = (1, 16, 16, 48, 80)
 DECODE_768 = (1, 16, 16, 96, 160)
@@ -192,7 +194,8 @@ def main() -> None:
     p.add_argument(
         "--layouts",
         default="contiguous,channels_last",
-        help="pfctl activation layouts to time (channels_last = CausalVideoVAE.use_channels_last)",
+        help="pfctl activation layouts to time (channels_last = CausalVideoVAE.use_channels_last, with the "
+        "fused Triton norms on CUDA; channels_last_unfused = the same without them)",
     )
     p.add_argument(
         "--profile",
@@ -214,7 +217,8 @@ def main() -> None:
         x = torch.randn(shape, generator=gen).clamp(-1, 1).to(device=device, dtype=dtype)
         outputs = {}
         for layout in args.layouts.split(","):
-            model.use_channels_last(layout == "channels_last")
+            model.use_channels_last(layout.startswith("channels_last"))
+            fused.ENABLED = layout != "channels_last_unfused"
             try:
                 out, sec, peak = measure(pfctl_fn(model, work, x, window, tile), device, args.repeats)
             except torch.OutOfMemoryError:
@@ -234,8 +238,11 @@ def main() -> None:
             del out
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        if len(outputs) == 2 and None not in outputs.values():
-            results[-1]["rel_l2_vs_pfctl"] = rel_l2(outputs["channels_last"], outputs["contiguous"])
+        fused.ENABLED = True
+        if "contiguous" in outputs and outputs["contiguous"] is not None:  # each other layout vs contiguous
+            for row, (layout, out) in zip(results[-len(outputs) :], outputs.items(), strict=True):
+                if layout != "contiguous" and out is not None:
+                    row["rel_l2_vs_pfctl"] = rel_l2(out, outputs["contiguous"])
         if ref is not None and with_ref:
             out, sec, peak = measure(reference_fn(ref, work, x, window, tile, device), device, args.repeats)
             base = next((o for o in outputs.values() if o is not None), None)
@@ -288,13 +295,13 @@ def main() -> None:
         for r in prof["top"]:
             print(f"  {r['ms']:9.1f} ms {r['share']:6.1%} {r['calls']:6d}x  {r['kernel']}")
     print(
-        f"\n{'work':<10} {'impl':<24} {'window':>6} {'tile':>5} {'seconds':>8} {'peak GiB':>9} {'relL2 vs pfctl':>15}"
+        f"\n{'work':<10} {'impl':<28} {'window':>6} {'tile':>5} {'seconds':>8} {'peak GiB':>9} {'relL2 vs pfctl':>15}"
     )
     for r in results:
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
         err = r.get("rel_l2_vs_pfctl")
         print(
-            f"{r['work']:<10} {r['impl']:<24} {r['window']!s:>6} {r['tile']!s:>5} {r['seconds']:>8.3f} {peak:>9} "
+            f"{r['work']:<10} {r['impl']:<28} {r['window']!s:>6} {r['tile']!s:>5} {r['seconds']:>8.3f} {peak:>9} "
             f"{'' if err is None else f'{err:.2e}':>15}"
         )
 

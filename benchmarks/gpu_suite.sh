@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite in one call (2x H200: single-GPU benchmarks on GPU 0, then the
 # 2-process sync-group run and the FSDP tests on both). Results: $OUT (or ./bench-out).
-# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,vae,encode,gputests]
+# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests]
+# (LAYOUTS=channels_last_unfused,channels_last picks the VAE layouts the vae steps time)
 # (reference: needs a Pyramid-Flow checkout in third_party/Pyramid-Flow and einops; not in the default list)
 set -uo pipefail
 OUT="${OUT:-bench-out}"; mkdir -p "$OUT"
@@ -35,16 +36,23 @@ case ",$STEPS," in *,reference,*)
   CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py all --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference.json" 2>&1 | tail -16
   CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py generate --compile --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_compile.json" 2>&1 | tail -6;;
 esac
+case ",$STEPS," in *,refgen,*)
+  echo "=== generate 5 s 384p side by side with the reference, compiled blocks (GPU $GPU)"
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py generate --compile --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_compile.json" 2>&1 | tail -8;;
+esac
 case ",$STEPS," in *,verify2,*)
   echo "=== verify, exact chunked encode on 2 GPUs (half the frames each)"; python benchmarks/bench_verify.py --device cuda --nproc 2 --json "$OUT/verify2.json" 2>&1 | grep -v "kept in float32" | tail -8;;
 esac
 case ",$STEPS," in *,train,*)
   echo "=== train (no checkpointing)"; CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --device cuda --json "$OUT/train.json" 2>&1 | tail -14;;
 esac
-case ",$STEPS," in *,vae,*)
-  echo "=== causal VAE alone, pfctl (both layouts) vs the reference VAE"
-  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_vae.py --device cuda --reference third_party/Pyramid-Flow --only decode384,encode384 --profile --json "$OUT/vae384.json" 2>&1 | grep -v '^{' | tail -40
-  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_vae.py --device cuda --reference third_party/Pyramid-Flow --only decode768 --repeats 1 --profile --json "$OUT/vae768.json" 2>&1 | grep -v "^{" | tail -30;;
+case ",$STEPS," in *,vae,*|*,vae384,*)
+  echo "=== causal VAE alone at 384p, pfctl (layouts: ${LAYOUTS:-contiguous,channels_last}) vs the reference VAE"
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_vae.py --device cuda --reference third_party/Pyramid-Flow --only decode384,encode384 --layouts "${LAYOUTS:-contiguous,channels_last}" --profile --json "$OUT/vae384.json" 2>&1 | grep -v '^{' | tail -40;;
+esac
+case ",$STEPS," in *,vae,*|*,vae768,*)
+  echo "=== causal VAE alone at 768p, pfctl (layouts: ${LAYOUTS:-contiguous,channels_last}) vs the reference VAE"
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_vae.py --device cuda --reference third_party/Pyramid-Flow --only decode768 --layouts "${LAYOUTS:-contiguous,channels_last}" --repeats 1 --profile --json "$OUT/vae768.json" 2>&1 | grep -v "^{" | tail -30;;
 esac
 case ",$STEPS," in *,encode,*)
   echo "=== encode-latents end to end (121-frame 640x384 mp4)"; CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_encode.py --device cuda --chunking framewise --num-workers 4 2>&1 | tee "$OUT/encode.txt" | tail -6;;

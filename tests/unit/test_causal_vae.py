@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import types
 
@@ -210,6 +212,46 @@ def test_frame_cache_holds_only_the_context_frames(vae: CausalVideoVAE) -> None:
     for frames in kept:
         assert frames.shape[2] <= 2
         assert frames.untyped_storage().nbytes() == frames.numel() * frames.element_size()
+
+
+_FUSED_CHECK = """
+import torch, torch.nn.functional as F
+from pfctl.models.causal_vae import fused
+from pfctl.models.causal_vae.conv import FrameGroupNorm
+torch.manual_seed(0)
+worst = 0.0
+for c, g, t, h, w, affine in [(64, 32, 3, 5, 7, True), (96, 32, 2, 9, 4, False), (48, 16, 1, 33, 17, True)]:
+    norm = FrameGroupNorm(g, c, eps=1e-6, affine=affine)
+    if affine:
+        with torch.no_grad():
+            norm.weight.normal_(), norm.bias.normal_()
+    x = (torch.randn(2, c, t, h, w) * 3 + 1).to(memory_format=torch.channels_last_3d)
+    with torch.no_grad():
+        ref = norm(x.contiguous())  # the nn.GroupNorm path, frame by frame
+        for silu in (False, True):
+            y = fused.group_norm_act(x, g, norm.weight if affine else None, norm.bias if affine else None, 1e-6, silu)
+            assert y.is_contiguous(memory_format=torch.channels_last_3d)
+            expected = F.silu(ref) if silu else ref
+            worst = max(worst, (y - expected).abs().max().item())
+            # written behind a causal conv's two context frames, per clip of the batch
+            front = torch.randn(2, c, 2, h, w).to(memory_format=torch.channels_last_3d)
+            y = fused.group_norm_act(x, g, norm.weight if affine else None, norm.bias if affine else None, 1e-6, silu, front)
+            worst = max(worst, (y - torch.cat([front, expected], dim=2)).abs().max().item())
+print(worst)
+"""
+
+
+def test_fused_group_norm_kernels_in_the_triton_interpreter() -> None:
+    """The Triton norm (+ SiLU) kernels the channels-last VAE uses on CUDA, run on CPU by Triton's
+    interpreter against nn.GroupNorm frame by frame (float32: agreement to 1e-5). Odd channel counts,
+    frame sizes that do not fill a block, no affine parameters, and output behind context frames."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", _FUSED_CHECK], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert float(run.stdout.split()[-1]) < 1e-5
 
 
 # ---- training / purity -------------------------------------------------------------------------------

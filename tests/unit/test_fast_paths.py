@@ -135,34 +135,71 @@ def test_stage_graph_runs_cpu_inputs_eagerly():
 
 @gpu
 def test_causal_vae_channels_last_on_cuda_equals_default() -> None:
-    """On CUDA, cuDNN keeps the channels-last layout end to end (norms, upsamplers, chunk cache):
-    encode and decode equal the default layout's (fp32, TF32 off, so only summation order differs)."""
+    """On CUDA, cuDNN keeps the channels-last layout end to end (norms, upsamplers, chunk cache), the
+    norms run as the fused Triton kernels: encode and decode equal the default layout's (fp32, TF32
+    off, so only summation order differs)."""
+    from pfctl.models.causal_vae import fused
     from pfctl.models.vae import build_tiny_causal_vae
 
     tf32 = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False
+    calls = []
+    kernel = fused.group_norm_act
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("silu", args[-1]))
+        return kernel(*args, **kwargs)
+
     try:
         model = build_tiny_causal_vae().cuda()
         video = torch.rand(1, 3, 17, 32, 48, generator=torch.Generator().manual_seed(0)).cuda() * 2 - 1
         with torch.no_grad():
             mean = model.encode(video, temporal_chunk=True, window_size=8).mean
             pixels = model.decode(mean, temporal_chunk=True, window_size=1)
+            assert not calls
             model.use_channels_last()
+            fused.group_norm_act = counted
             mean_cl = model.encode(video, temporal_chunk=True, window_size=8).mean
             pixels_cl = model.decode(mean, temporal_chunk=True, window_size=1)
+            whole = model.decode(mean)
     finally:
         torch.backends.cudnn.allow_tf32 = tf32
-    assert pixels_cl.is_contiguous(memory_format=torch.channels_last_3d)
+        fused.group_norm_act = kernel
+    assert whole.is_contiguous(memory_format=torch.channels_last_3d)
+    assert True in calls and False in calls  # norm + SiLU fused, and the norms before attention/outputs
     torch.testing.assert_close(mean_cl, mean, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(pixels_cl, pixels, rtol=1e-4, atol=1e-4)
 
 
 @gpu
+@pytest.mark.parametrize("silu", [False, True])
+def test_fused_group_norm_bf16_equals_pytorch_path(silu: bool) -> None:
+    """bf16 on CUDA: the Triton norm (+ SiLU) against FrameGroupNorm's PyTorch channels-last path,
+    within one bf16 rounding (the fused kernel rounds once, the unfused path once per op)."""
+    import torch.nn.functional as F
+
+    from pfctl.models.causal_vae.conv import FrameGroupNorm
+
+    norm = FrameGroupNorm(32, 256, eps=1e-6).cuda()
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    x = torch.randn(2, 256, 5, 40, 24, device="cuda").mul(4).add(1).to(torch.bfloat16)
+    x = x.to(memory_format=torch.channels_last_3d)
+    with torch.no_grad():
+        norm.to(torch.bfloat16)
+        ref = norm._channels_last(x)
+        ref = F.silu(ref) if silu else ref
+        out = norm.forward_act(x, torch.nn.SiLU()) if silu else norm(x)
+    assert out.dtype == torch.bfloat16 and out.is_contiguous(memory_format=torch.channels_last_3d)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1.6e-2, atol=1.6e-2)
+
+
+@gpu
 @pytest.mark.parametrize("weights_channels_last", [False, True])
 def test_causal_vae_encodes_a_channels_last_input_on_cuda(weights_channels_last: bool) -> None:
-    """encode-latents feeds the VAE a (T, H, W, C)-stored clip (uint8 frames permuted, scaled on the GPU).
-    With channels-last weights that failed every clip in an H200 run (cause not established), so the
-    adapter encodes in the default layout; this pins both combinations against a contiguous input."""
+    """encode-latents feeds the VAE a (T, H, W, C)-stored clip (uint8 frames permuted, scaled on the
+    GPU); with either weight layout it must encode like a contiguous input."""
     from pfctl.data.video import to_model_input
     from pfctl.models.vae import build_tiny_causal_vae
 

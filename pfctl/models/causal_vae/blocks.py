@@ -54,8 +54,16 @@ class ResnetBlock(nn.Module):
         )
 
     def forward(self, x: Tensor, cache: FrameCache | None = None) -> Tensor:
-        h = self.conv1(self.nonlinearity(self.norm1(x)), cache)
-        h = self.conv2(self.dropout(self.nonlinearity(self.norm2(h))), cache)
+        # each norm + activation writes its output behind the next conv's context frames (one fused
+        # kernel on CUDA)
+        h = self.norm1.forward_act(x, self.nonlinearity, self.conv1.front(cache, x))
+        h = self.conv1(h, cache, padded=True)
+        if self.training and self.dropout.p > 0:  # dropout must not see the context frames
+            h = self.conv2(self.dropout(self.norm2.forward_act(h, self.nonlinearity)), cache)
+        else:
+            h = self.conv2(
+                self.norm2.forward_act(h, self.nonlinearity, self.conv2.front(cache, h)), cache, padded=True
+            )
         skip = x if self.conv_shortcut is None else self.conv_shortcut(x, cache)
         return skip + h
 
@@ -290,7 +298,8 @@ class Encoder(nn.Module):
         for block in self.down_blocks:
             x = _run(block, x, cache, ckpt)
         x = _run(self.mid_block, x, cache, ckpt)
-        return self.conv_out(self.conv_act(self.conv_norm_out(x)), cache)
+        x = self.conv_norm_out.forward_act(x, self.conv_act, self.conv_out.front(cache, x))
+        return self.conv_out(x, cache, padded=True)
 
 
 class Decoder(nn.Module):
@@ -333,4 +342,5 @@ class Decoder(nn.Module):
         x = _run(self.mid_block, x, cache, ckpt)
         for block in self.up_blocks:
             x = _run(block, x, cache, ckpt)
-        return self.conv_out(self.conv_act(self.conv_norm_out(x)), cache)
+        x = self.conv_norm_out.forward_act(x, self.conv_act, self.conv_out.front(cache, x))
+        return self.conv_out(x, cache, padded=True)

@@ -14,8 +14,9 @@ tiled call running its tiles one after another) can never see each other's frame
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from pfctl.models.causal_vae import fused
 
 __all__ = ["CausalConv3d", "FrameCache", "FrameGroupNorm", "from_frames", "is_channels_last", "to_frames"]
 
@@ -87,9 +88,24 @@ class FrameGroupNorm(nn.GroupNorm):
     def forward(self, x: Tensor) -> Tensor:
         if x.ndim != 5:
             return super().forward(x)
+        if fused.applies(x):
+            return self._fused(x, silu=False)
         if is_channels_last(x):
             return self._channels_last(x)
         return from_frames(super().forward(to_frames(x)), x.shape[2])
+
+    def forward_act(self, x: Tensor, act: nn.Module, front: Tensor | None = None) -> Tensor:
+        """``act(self(x))``, preceded along time by ``front`` if given (a causal conv's context, see
+        :meth:`CausalConv3d.front`). With SiLU on a tensor :func:`fused.applies` to: one fused pass
+        that writes straight behind the context frames (no separate activation or concatenation)."""
+        if isinstance(act, nn.SiLU) and x.ndim == 5 and fused.applies(x):
+            return self._fused(x, silu=True, front=front)
+        y = act(self(x))
+        return y if front is None else torch.cat([front, y], dim=2)
+
+    def _fused(self, x: Tensor, silu: bool, front: Tensor | None = None) -> Tensor:
+        weight, bias = (self.weight, self.bias) if self.affine else (None, None)
+        return fused.group_norm_act(x, self.num_groups, weight, bias, self.eps, silu, front)
 
     def _channels_last(self, x: Tensor) -> Tensor:
         """The same norm on a (B, T, H, W, C)-stored tensor, without leaving that layout.
@@ -145,7 +161,9 @@ class CausalConv3d(nn.Module):
     of MB per layer).
 
     Spatial zero padding is the convolution's own (cuDNN pads on the fly); only the temporal
-    context is concatenated, so the input is copied at most once.
+    context is concatenated, so the input is copied at most once, and not at all when the layer
+    before writes it in place: ``conv(norm.forward_act(x, act, conv.front(cache, x)), cache,
+    padded=True)`` (the fused norm writes its output behind the context frames).
     """
 
     def __init__(
@@ -175,13 +193,23 @@ class CausalConv3d(nn.Module):
             bias=bias,
         )
 
-    def forward(self, x: Tensor, cache: FrameCache | None = None) -> Tensor:
+    def front(self, cache: FrameCache | None, like: Tensor) -> Tensor | None:
+        """The frames this conv puts before an input shaped like ``like``: ``time_pad`` zero frames
+        (no cache, or the first chunk), the previous chunk's kept frames, or None (1-frame kernel)."""
+        if self.time_pad == 0:
+            return None
+        if cache is not None and not cache.first_chunk:
+            return cache.get(self)
+        b, c, _, h, w = like.shape
+        zeros = like.new_zeros((b, c, self.time_pad, h, w))
+        return zeros.contiguous(memory_format=torch.channels_last_3d) if is_channels_last(like) else zeros
+
+    def forward(self, x: Tensor, cache: FrameCache | None = None, padded: bool = False) -> Tensor:
+        """``padded``: ``x`` already starts with :meth:`front`'s frames."""
         if self.time_pad == 0:
             return self.conv(x)
-        if cache is None or cache.first_chunk:
-            x = F.pad(x, (0, 0, 0, 0, self.time_pad, 0))
-        else:
-            x = torch.cat([cache.get(self), x], dim=2)
+        if not padded:
+            x = torch.cat([self.front(cache, x), x], dim=2)
         if cache is not None:
             # where the next output window starts, in this padded input's frame index
             n = x.shape[2]

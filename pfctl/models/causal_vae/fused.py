@@ -1,0 +1,161 @@
+"""Per-frame GroupNorm, optionally followed by SiLU, as two Triton kernels (CUDA, inference).
+
+In the channels-last causal VAE every frame of an activation is one dense (H*W, C) block, so a
+per-frame group norm is: per-channel sums and sums of squares over the block's rows (kernel 1,
+one read), a few tiny ops on (frames, C) factors, then ``y = x * scale + shift`` (kernel 2, one
+read and one write) with the activation applied before the single rounding to the output dtype.
+PyTorch needs two reductions, a broadcast multiply-add that does not vectorise and a separate
+SiLU pass for the same work: about twice the memory traffic, and the VAE is bound by it outside
+its convolutions (the profiles in benchmarks/RESULTS.md).
+
+Used only where :func:`applies` says so (CUDA, channels-last, no autograd, Triton importable,
+not switched off with ``PFCTL_FUSED_NORM=0``);
+everything else takes the PyTorch path in :class:`~pfctl.models.causal_vae.conv.FrameGroupNorm`.
+Results equal that path's up to float32 summation order, except that SiLU sees the float32 value
+instead of a bf16-rounded one (more accurate, within bf16 rounding of the unfused result).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["ENABLED", "applies", "group_norm_act"]
+
+#: switch the fused kernels off (``PFCTL_FUSED_NORM=0``, or set this to False) to run PyTorch's ops instead
+ENABLED = os.environ.get("PFCTL_FUSED_NORM", "1") != "0"
+
+_MAX_CHANNELS = 1024
+_TILE = 8192  # elements of x per program of the normalise kernel
+_STATS_PROGRAMS = 1024  # target number of programs of the statistics kernel
+
+
+@functools.cache
+def _triton() -> Any | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton
+
+
+def applies(x: Tensor) -> bool:
+    """True when :func:`group_norm_act` can take ``x``: a CUDA (B, C, T, H, W) float tensor stored
+    channels-last (each frame one dense block), outside autograd, with Triton installed."""
+    from pfctl.models.causal_vae.conv import is_channels_last
+
+    return (
+        ENABLED
+        and x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and is_channels_last(x)
+        and x.shape[1] <= _MAX_CHANNELS
+        and not (torch.is_grad_enabled() and x.requires_grad)
+        and _triton() is not None
+    )
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any]:
+    triton = _triton()
+    import triton.language as tl
+
+    @triton.jit
+    def channel_sums(
+        x_ptr, part_ptr, P, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, ITERS: tl.constexpr
+    ):
+        # part[frame, block] = (sum over the block's ITERS * BLOCK_P rows, sum of squares) per channel
+        frame = tl.program_id(0)
+        block = tl.program_id(1)
+        cols = tl.arange(0, BLOCK_C)
+        cmask = cols < C
+        base = x_ptr + frame.to(tl.int64) * P * C
+        acc1 = tl.zeros([BLOCK_C], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for i in range(ITERS):
+            rows = (block * ITERS + i) * BLOCK_P + tl.arange(0, BLOCK_P)
+            mask = (rows[:, None] < P) & cmask[None, :]
+            v = tl.load(base + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc1 += tl.sum(v, axis=0)
+            acc2 += tl.sum(v * v, axis=0)
+        out = part_ptr + (frame * tl.num_programs(1) + block) * 2 * C
+        tl.store(out + cols, acc1, mask=cmask)
+        tl.store(out + C + cols, acc2, mask=cmask)
+
+    @triton.jit
+    def normalize(
+        x_ptr, y_ptr, scale_ptr, shift_ptr, P, C, T, FRONT,
+        BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, SILU: tl.constexpr,
+    ):  # fmt: skip
+        # input frame (b, t) -> output frame (b, FRONT + t) of a clip with FRONT + T frames
+        frame = tl.program_id(0)
+        out_frame = (frame // T) * (T + FRONT) + FRONT + frame % T
+        rows = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+        cols = tl.arange(0, BLOCK_C)
+        cmask = cols < C
+        scale = tl.load(scale_ptr + frame * C + cols, mask=cmask, other=0.0)
+        shift = tl.load(shift_ptr + frame * C + cols, mask=cmask, other=0.0)
+        inside = rows[:, None] * C + cols[None, :]
+        mask = (rows[:, None] < P) & cmask[None, :]
+        x = tl.load(x_ptr + frame.to(tl.int64) * P * C + inside, mask=mask, other=0.0)
+        y = x.to(tl.float32) * scale[None, :] + shift[None, :]
+        if SILU:
+            y = y * tl.sigmoid(y)
+        tl.store(y_ptr + out_frame.to(tl.int64) * P * C + inside, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+    return channel_sums, normalize
+
+
+def group_norm_act(
+    x: Tensor,
+    groups: int,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    silu: bool,
+    front: Tensor | None = None,
+) -> Tensor:
+    """GroupNorm with statistics per frame (over H, W and the group's channels), affine, then SiLU
+    if ``silu``; ``x`` is (B, C, T, H, W) stored channels-last. Returns a tensor like ``x``, or, with
+    ``front`` (B, C, F, H, W), ``torch.cat([front, result], dim=2)`` without a separate copy of the
+    result (the normalised frames are written behind the front frames)."""
+    triton = _triton()
+    channel_sums, normalize = _kernels()
+    b, c, t, h, w = x.shape
+    frames, pixels, cg = b * t, h * w, c // groups
+    block_c = triton.next_power_of_2(c)
+    block_p = max(1, _TILE // block_c)
+    chunks = triton.cdiv(pixels, block_p)  # row chunks per frame
+    # chunks per statistics program: a power of two (few kernel variants), enough for ~_STATS_PROGRAMS programs
+    iters = min(triton.next_power_of_2(triton.cdiv(chunks, triton.cdiv(_STATS_PROGRAMS, frames))), 64)
+    blocks = triton.cdiv(chunks, iters)
+    part = torch.empty((frames, blocks, 2, c), device=x.device, dtype=torch.float32)
+    channel_sums[(frames, blocks)](x, part, pixels, c, BLOCK_P=block_p, BLOCK_C=block_c, ITERS=iters)
+    sums = part.sum(1).view(frames, 2, groups, cg).sum(-1)  # (frames, 2, groups)
+    n = pixels * cg
+    mean = sums[:, 0] / n
+    var = (sums[:, 1] / n - mean * mean).clamp_min(0.0)
+    rstd = torch.rsqrt(var + eps).unsqueeze(-1)  # (frames, groups, 1)
+    mean = mean.unsqueeze(-1)
+    if weight is not None:
+        scale = rstd * weight.float().view(groups, cg)
+        shift = bias.float().view(groups, cg) - mean * scale
+    else:
+        scale = rstd.expand(frames, groups, cg)
+        shift = -mean * rstd
+    scale = scale.reshape(frames, c).contiguous()
+    shift = shift.expand(frames, groups, cg).reshape(frames, c).contiguous()
+    extra = 0 if front is None else front.shape[2]
+    y = torch.empty(
+        (b, c, extra + t, h, w), device=x.device, dtype=x.dtype, memory_format=torch.channels_last_3d
+    )
+    if front is not None:
+        y[:, :, :extra].copy_(front)
+    normalize[(frames, triton.cdiv(pixels, block_p))](
+        x, y, scale, shift, pixels, c, t, extra, BLOCK_P=block_p, BLOCK_C=block_c, SILU=silu, num_warps=8
+    )
+    return y
