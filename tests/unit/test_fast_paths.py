@@ -146,9 +146,9 @@ def test_causal_vae_channels_last_on_cuda_equals_default() -> None:
     calls = []
     kernel = fused.group_norm_act
 
-    def counted(*args, **kwargs):
-        calls.append(kwargs.get("silu", args[-1]))
-        return kernel(*args, **kwargs)
+    def counted(x, groups, weight, bias, eps, silu, front=None):
+        calls.append(silu)
+        return kernel(x, groups, weight, bias, eps, silu, front)
 
     try:
         model = build_tiny_causal_vae().cuda()
