@@ -342,7 +342,11 @@ def _no_collate(x: Any) -> Any:
 
 
 def _prefetch_thread(
-    work: list[tuple[Item, frozenset[str]]], settings: FrameSettings, depth: int, stop: threading.Event
+    work: list[tuple[Item, frozenset[str]]],
+    settings: FrameSettings,
+    depth: int,
+    stop: threading.Event,
+    pin: bool = False,
 ) -> Iterator[DecodedItem]:
     """Decode in one background thread (decord and torch release the GIL while they work)."""
     box: queue.Queue = queue.Queue(maxsize=depth)
@@ -353,7 +357,8 @@ def _prefetch_thread(
             for item, skip in work:
                 if stop.is_set():
                     break
-                box.put(decode_item(item, settings, skip))
+                decoded = decode_item(item, settings, skip)
+                box.put(decoded.pin_memory() if pin else decoded)
         except BaseException as exc:
             box.put(exc)
         box.put(done)
@@ -370,9 +375,14 @@ def _prefetch_thread(
 
 
 def decoded_items(
-    work: list[tuple[Item, frozenset[str]]], settings: FrameSettings, num_workers: int, prefetch: int
+    work: list[tuple[Item, frozenset[str]]],
+    settings: FrameSettings,
+    num_workers: int,
+    prefetch: int,
+    pin: bool = False,
 ) -> Iterator[DecodedItem]:
-    """Decoded items in order, decoded ahead of the consumer (workers or a thread)."""
+    """Decoded items in order, decoded ahead of the consumer (workers or a thread); with ``pin``
+    their frames arrive in page-locked memory (for a GPU encoder)."""
     if not work:
         return
     if num_workers > 0:
@@ -384,12 +394,13 @@ def decoded_items(
             prefetch_factor=prefetch,
             collate_fn=_no_collate,
             persistent_workers=False,
+            pin_memory=pin,
         )
         yield from loader
         return
     stop = threading.Event()
     try:
-        yield from _prefetch_thread(work, settings, prefetch, stop)
+        yield from _prefetch_thread(work, settings, prefetch, stop, pin)
     finally:
         stop.set()
 
@@ -402,11 +413,12 @@ def _clip_seed(seed: int, clip_id: str) -> int:
 
 
 def _text_row(embeddings: Any) -> dict[str, torch.Tensor]:
-    """Batch-1 TextEmbeddings → cache tensors without the batch dimension (floats in bf16)."""
+    """Batch-1 TextEmbeddings → cache tensors without the batch dimension (floats in bf16), left on
+    the text encoder's device (the caller copies them to the host)."""
     return {
-        "prompt_embeds": embeddings.prompt_embeds[0].to("cpu", STORAGE_DTYPE),
-        "prompt_attention_mask": embeddings.prompt_attention_mask[0].to("cpu", torch.int64),
-        "pooled_prompt_embeds": embeddings.pooled_prompt_embeds[0].to("cpu", STORAGE_DTYPE),
+        "prompt_embeds": embeddings.prompt_embeds[0].to(STORAGE_DTYPE),
+        "prompt_attention_mask": embeddings.prompt_attention_mask[0].to(torch.int64),
+        "pooled_prompt_embeds": embeddings.pooled_prompt_embeds[0].to(STORAGE_DTYPE),
     }
 
 
@@ -434,8 +446,31 @@ def _failure_row(item: Item, error: MediaError, rank: int, clip_id: str | None =
 
 
 @dataclass
+class _InFlight:
+    """A clip whose encode is queued on the device; its results are being copied to the host."""
+
+    item: Item
+    plan: Any
+    latents: dict[str, torch.Tensor]  # host tensors, filled by copies queued without blocking
+    text: dict[str, torch.Tensor]
+    ready: Any = None  # a CUDA event recorded after those copies (None: already on the host)
+
+
+def _to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Queue the copies to (page-locked) host memory; valid once the device reaches this point."""
+    return {k: v.to("cpu", non_blocking=v.is_cuda) for k, v in tensors.items()}
+
+
+@dataclass
 class _Encoder:
-    """The per-rank encoding state (models, writer, counters)."""
+    """The per-rank encoding state (models, writer, counters).
+
+    Clips are pipelined one deep: :meth:`handle` queues a clip's encode on the device, then finishes
+    the clip queued before it (waits for its latents, checks and writes them) while the device works
+    on the new one, so the GPU does not idle while the host writes files. :meth:`finish` must be
+    called once more at the end for the last clip; a clip still in flight when a run is killed was
+    never written, and a resumed run encodes it again.
+    """
 
     cfg: EncodeConfig
     vae: Any
@@ -449,33 +484,106 @@ class _Encoder:
     failures: list[dict[str, Any]] = field(default_factory=list)
     encoded: int = 0
     skipped: int = 0
+    pending: _InFlight | None = None
 
     def posterior(self, frames: torch.Tensor) -> Any:
         """VAE posterior of uint8 (T, H, W, 3) frames.
 
         The uint8 frames go to the device first and are scaled there (in float32, then cast, as
         before): float32 pixels are 4x the bytes to move, and converting them on the host took a
-        good part of a clip's GPU encode time.
+        good part of a clip's GPU encode time. Page-locked frames (see ``decoded_items(pin=True)``)
+        are copied without waiting for the clip before.
         """
-        video = to_model_input(frames.to(self.device)).to(self.dtype).unsqueeze(0)  # (1, 3, T, H, W)
+        pixels = frames.to(self.device, non_blocking=frames.is_pinned())
+        video = to_model_input(pixels).to(self.dtype).unsqueeze(0)  # (1, 3, T, H, W)
         return self.vae.encode(
             video, chunking=self.cfg.chunking, chunk_frames=self.cfg.chunk_frames, tile=self.cfg.tile
         )
 
     def encode_clip(self, frames: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Posterior mean and std in the storage dtype, on the encoder's device."""
         posterior = self.posterior(frames)
         return {
-            "latent_mean": posterior.mean[0].to("cpu", STORAGE_DTYPE),
-            "latent_std": posterior.std[0].to("cpu", STORAGE_DTYPE),
+            "latent_mean": posterior.mean[0].to(STORAGE_DTYPE),
+            "latent_std": posterior.std[0].to(STORAGE_DTYPE),
         }
 
     def sample_clip(self, frames: torch.Tensor, clip_id: str) -> dict[str, torch.Tensor]:
+        """One posterior sample (seeded by the clip id) in the storage dtype, on the encoder's device."""
         posterior = self.posterior(frames)
         generator = torch.Generator(device="cpu").manual_seed(_clip_seed(self.seed, clip_id))
-        return {"latent_sample": posterior.sample(generator)[0].to("cpu", STORAGE_DTYPE)}
+        return {"latent_sample": posterior.sample(generator)[0].to(STORAGE_DTYPE)}
+
+    def launch(self, item: Item, plan: Any, frames: torch.Tensor, text: dict[str, torch.Tensor]) -> _InFlight:
+        """Queue one clip's encode and the copies of its results to the host."""
+        if self.cfg.store == "sample":
+            latents = self.sample_clip(frames, plan.clip_id)
+        else:
+            latents = self.encode_clip(frames)
+        job = _InFlight(item=item, plan=plan, latents=_to_host(latents), text=_to_host(text))
+        if self.device.type == "cuda":
+            job.ready = torch.cuda.Event()
+            job.ready.record()
+        return job
+
+    def finish(self) -> int:
+        """Write the clip in flight, if any; return 1 if it failed, else 0."""
+        job, self.pending = self.pending, None
+        if job is None:
+            return 0
+        try:
+            if job.ready is not None:
+                job.ready.synchronize()
+        except Exception as exc:  # an error of the queued encode surfaces here
+            self.failures.append(
+                _failure_row(
+                    job.item,
+                    MediaError("encode_error", f"{type(exc).__name__}: {exc}"),
+                    self.rank,
+                    job.plan.clip_id,
+                )
+            )
+            return 1
+        latents, text = job.latents, job.text
+        if faults.poisoned("encode_nan", clip=job.plan.clip_id):  # test hook
+            latents = {k: torch.full_like(v, float("nan")) for k, v in latents.items()}
+        bad = non_finite({**latents, **text})
+        if bad:  # a NaN clip would poison every training step that draws it
+            self.failures.append(
+                _failure_row(job.item, MediaError("non_finite", bad), self.rank, job.plan.clip_id)
+            )
+            return 1
+        metadata = {
+            "item_id": job.item.id,
+            "kind": job.item.kind,
+            "source": job.item.source,
+            "source_path": str(job.item.path),
+            "text": job.item.text,
+            "line": str(job.item.line),
+            "clip_index": str(job.plan.clip_index),
+            "frame_indices": json.dumps(list(job.plan.frame_indices)),
+            "num_frames": str(job.plan.num_frames),
+            "fps": f"{job.plan.fps:g}",
+            "source_fps": f"{job.plan.source_fps:g}",
+            "source_size": f"{job.plan.source_width}x{job.plan.source_height}",
+            "bucket": job.plan.bucket.name,
+            "vae": self.vae.name,
+            "vae_class": type(self.vae.module).__name__,
+            "chunking": self.cfg.chunking,
+            "chunk_frames": str(self.cfg.chunk_frames),
+            "tile": str(self.cfg.tile),
+            "store": self.cfg.store,
+        }
+        self.rows.append(self.writer.write(job.plan.clip_id, {**latents, **text}, metadata))
+        self.encoded += 1
+        sleep = float(os.environ.get(_SLEEP_ENV, "0") or 0)
+        if sleep > 0:
+            time.sleep(sleep)
+        return 0
 
     def handle(self, decoded: DecodedItem) -> int:
-        """Encode and write every clip of one decoded item; return the number of new failures."""
+        """Queue every clip of one decoded item (finishing the clip before each); return the number
+        of failures that became known."""
         item = decoded.item
         if decoded.failure is not None:
             self.failures.append(_failure_row(item, decoded.failure, self.rank))
@@ -494,14 +602,10 @@ class _Encoder:
         except Exception as exc:
             self.failures.append(_failure_row(item, MediaError("encode_error", f"text: {exc}"), self.rank))
             return 1
-        sleep = float(os.environ.get(_SLEEP_ENV, "0") or 0)
         failed = 0
         for plan, frames in zip(decoded.plans, decoded.frames, strict=True):
             try:
-                if self.cfg.store == "sample":
-                    latents = self.sample_clip(frames, plan.clip_id)
-                else:
-                    latents = self.encode_clip(frames)
+                job = self.launch(item, plan, frames, text)
             except PfctlError:
                 raise  # a configuration problem (chunk size, tile): every clip would fail the same way
             except Exception as exc:
@@ -517,40 +621,8 @@ class _Encoder:
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
                 continue
-            if faults.poisoned("encode_nan", clip=plan.clip_id):  # test hook
-                latents = {k: torch.full_like(v, float("nan")) for k, v in latents.items()}
-            bad = non_finite({**latents, **text})
-            if bad:  # a NaN clip would poison every training step that draws it
-                self.failures.append(
-                    _failure_row(item, MediaError("non_finite", bad), self.rank, plan.clip_id)
-                )
-                failed += 1
-                continue
-            metadata = {
-                "item_id": item.id,
-                "kind": item.kind,
-                "source": item.source,
-                "source_path": str(item.path),
-                "text": item.text,
-                "line": str(item.line),
-                "clip_index": str(plan.clip_index),
-                "frame_indices": json.dumps(list(plan.frame_indices)),
-                "num_frames": str(plan.num_frames),
-                "fps": f"{plan.fps:g}",
-                "source_fps": f"{plan.source_fps:g}",
-                "source_size": f"{plan.source_width}x{plan.source_height}",
-                "bucket": plan.bucket.name,
-                "vae": self.vae.name,
-                "vae_class": type(self.vae.module).__name__,
-                "chunking": self.cfg.chunking,
-                "chunk_frames": str(self.cfg.chunk_frames),
-                "tile": str(self.cfg.tile),
-                "store": self.cfg.store,
-            }
-            self.rows.append(self.writer.write(plan.clip_id, {**latents, **text}, metadata))
-            self.encoded += 1
-            if sleep > 0:
-                time.sleep(sleep)
+            failed += self.finish()  # the clip before, while the device encodes this one
+            self.pending = job
         return failed
 
 
@@ -730,7 +802,7 @@ def run_encode(
             shutil.rmtree(root / lc.PARTS_DIR)
         lc.remove_stale_temp_files(root)
         if text_encoder is not None and not (root / lc.NULL_TEXT_FILE).is_file():
-            writer.write_null_text(_text_row(text_encoder.empty_embedding()))
+            writer.write_null_text({k: v.cpu() for k, v in _text_row(text_encoder.empty_embedding()).items()})
     runtime.barrier()
 
     # 3. this rank's share, minus finished clips ------------------------------------------------------
@@ -766,13 +838,15 @@ def run_encode(
     t0 = time.monotonic()
     try:
         with pflog.progress(f"encoding (rank {rank})" if world > 1 else "encoding", total=len(work)) as bar:
-            for decoded in decoded_items(work, settings, cfg.num_workers, cfg.prefetch):
+            pin = device.type == "cuda"
+            for decoded in decoded_items(work, settings, cfg.num_workers, cfg.prefetch, pin):
                 failed_items += encoder.handle(decoded)
                 rate = encoder.encoded / max(time.monotonic() - t0, 1e-9)
                 bar.update(1, clips=encoder.encoded, clips_per_s=f"{rate:.2f}", failed=failed_items)
                 if max_failures is not None and failed_items > max_failures:
                     report.stopped_early = True
                     break
+            failed_items += encoder.finish()  # the last clip in flight
     except BaseException as exc:
         aborted = f"{type(exc).__name__}: {exc}"
         raise
