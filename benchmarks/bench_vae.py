@@ -234,7 +234,7 @@ def main() -> None:
                     "peak_gib": peak,
                 }
             )
-            print(json.dumps(results[-1]), flush=True)
+            report(results[-1], results, profiles, args.json)
             del out
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -257,7 +257,7 @@ def main() -> None:
                     "rel_l2_vs_pfctl": rel_l2(base, out) if base is not None else None,
                 }
             )
-            print(json.dumps(results[-1]), flush=True)
+            report(results[-1], results, profiles, args.json)
             del out
         outputs.clear()
         # the first tiled decode and the first encode of each work: is it launch-bound (kernel time
@@ -294,16 +294,29 @@ def main() -> None:
         print(f"\ntop CUDA kernels, {name} {prof['case']}: {prof['kernel_s']:.3f} s of kernels{busy}")
         for r in prof["top"]:
             print(f"  {r['ms']:9.1f} ms {r['share']:6.1%} {r['calls']:6d}x  {r['kernel']}")
-    print(
-        f"\n{'work':<10} {'impl':<28} {'window':>6} {'tile':>5} {'seconds':>8} {'peak GiB':>9} {'relL2 vs pfctl':>15}"
-    )
+    print(f"\n{HEADER}")
     for r in results:
-        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
-        err = r.get("rel_l2_vs_pfctl")
-        print(
-            f"{r['work']:<10} {r['impl']:<28} {r['window']!s:>6} {r['tile']!s:>5} {r['seconds']:>8.3f} {peak:>9} "
-            f"{'' if err is None else f'{err:.2e}':>15}"
-        )
+        print(row_text(r))
+
+
+HEADER = f"{'work':<10} {'impl':<28} {'window':>6} {'tile':>5} {'seconds':>8} {'peak GiB':>9} {'relL2 vs pfctl':>15}"
+
+
+def row_text(r: dict) -> str:
+    peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
+    err = r.get("rel_l2_vs_pfctl")
+    return (
+        f"{r['work']:<10} {r['impl']:<28} {r['window']!s:>6} {r['tile']!s:>5} {r['seconds']:>8.3f} {peak:>9} "
+        f"{'' if err is None else f'{err:.2e}':>15}"
+    )
+
+
+def report(row: dict, results: list[dict], profiles: dict, path: Path | None) -> None:
+    """Print a finished measurement at once and rewrite the JSON file, so a run cut short by a time
+    limit still leaves every row it finished."""
+    print("  row:", row_text(row), flush=True)
+    if path:
+        path.write_text(json.dumps({"results": results, "profiles": profiles}, indent=1))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ STEPS="${1:-verify,train_ckpt,sync,fsdp}"
 GPU="${GPU:-0}"  # the GPU of the single-GPU steps (two suites can run side by side: GPU=1 bash ...)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpus.txt"
 python -c "import torch, diffusers; print('torch', torch.__version__, 'diffusers', diffusers.__version__)" | tee -a "$OUT/gpus.txt"
+case ",$STEPS," in *,gputests,*)
+  echo "=== CUDA-only tests"; CUDA_VISIBLE_DEVICES=$GPU python -m pytest -q -p no:cacheprovider tests/unit/test_fast_paths.py 2>&1 | tail -25;;
+esac
 case ",$STEPS," in *,verify,*)
   echo "=== verify"; CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_verify.py --device cuda --repeats 2 --json "$OUT/verify.json" 2>&1 | grep -v "kept in float32" | tail -8;;
 esac
@@ -56,7 +59,4 @@ case ",$STEPS," in *,vae,*|*,vae768,*)
 esac
 case ",$STEPS," in *,encode,*)
   echo "=== encode-latents end to end (121-frame 640x384 mp4)"; CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_encode.py --device cuda --chunking framewise --num-workers 4 2>&1 | tee "$OUT/encode.txt" | tail -6;;
-esac
-case ",$STEPS," in *,gputests,*)
-  echo "=== CUDA-only tests"; CUDA_VISIBLE_DEVICES=$GPU python -m pytest -q -p no:cacheprovider tests/unit/test_fast_paths.py 2>&1 | tail -4;;
 esac
