@@ -225,6 +225,35 @@ def test_uniform_clips_full_mode_and_sample_store(corpus: Path, tmp_path: Path, 
     assert set(cache.load("videos/a")) == {"latent_sample"}
 
 
+def test_clips_are_pipelined_one_deep(
+    corpus: Path, tmp_path: Path, runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each clip's encode is queued before the clip before it is written (the GPU works while the host
+    writes), across items too, and the last clip is written at the end."""
+    from pfctl.models.vae import PyramidCausalVAE
+
+    events: list[str] = []
+    encode, write = PyramidCausalVAE.encode, lc.LatentCacheWriter.write
+
+    def encoding(self, video, **kwargs):
+        events.append("encode")
+        return encode(self, video, **kwargs)
+
+    def writing(self, clip_id, tensors, metadata):
+        events.append("write")
+        return write(self, clip_id, tensors, metadata)
+
+    monkeypatch.setattr(PyramidCausalVAE, "encode", encoding)
+    monkeypatch.setattr(lc.LatentCacheWriter, "write", writing)
+    report = run_encode(
+        _config(corpus / "train.jsonl", tmp_path / "c", clip_mode="uniform", clips_per_video=2),
+        runtime=runtime,
+    )
+    n = report.encoded
+    assert n == 7 and len(lc.LatentCache.open(tmp_path / "c").ids()) == n
+    assert events == ["encode"] + ["encode", "write"] * (n - 1) + ["write"]
+
+
 def test_input_errors_exit_2(corpus: Path, tmp_path: Path, runtime) -> None:
     with pytest.raises(InputError, match="does not exist"):
         run_encode(_config(tmp_path / "none.jsonl", tmp_path / "c"), runtime=runtime)
