@@ -17,17 +17,17 @@ peak ≈ weights + gradients + optimizer state + EMA + autocast weight copies + 
 
   - double-stream block, per stream (image tokens; text tokens likewise):
     attention: ``f·D`` (layer-norm input) + ``f·D``\\* (its output, for the modulation's grad)
-    + ``a·D``° (q input) + ``2c·D``° (k and v inputs) + ``2f·D`` + ``2c·D`` (RMS-norm inputs of q, k:
-    the fp32 upcast and the original) + ``2f·D``\\* (their normalised values, for the norm weights)
-    + ``3a·D`` (SDPA q, k, v) + ``a·D`` (SDPA output)
+    + ``a·D``° (q input) + ``2c·D``° (k and v inputs) + ``2a·D`` (RMS-norm inputs q, k; the norm keeps
+    only them and a per-row rstd) + ``3a·D`` (SDPA q, k, v) + ``a·D`` (SDPA output)
     + ``a·D``° (to_out input) + ``a·D``\\* (gated branch); MLP: ``f·D`` + ``f·D``\\* + ``a·D``°
     + ``4a·D`` (GELU input) + ``4a·D``° (fc2 input) + ``a·D``\\*;
   - single-stream block (``L + n`` joint tokens per column): ``f·D`` + ``f·D``\\* + ``a·D``°
-    + ``3c·D``° (k, v and MLP inputs) + ``4a·D`` (GELU input) + ``2f·D`` + ``2c·D`` + ``2f·D``\\* + ``3a·D``
+    + ``3c·D``° (k, v and MLP inputs) + ``4a·D`` (GELU input) + ``2a·D`` (RMS-norm inputs) + ``3a·D``
     + ``a·D`` + ``5a·D``° (proj_out input) + ``a·D``\\*;
   - ``c`` = ``a`` under autocast, else 0: autocast casts a Linear's fp32 input for that call alone, so
     the q, k, v (and single-stream MLP) projections of one normalised input each keep their own bf16
-    copy; without autocast they share one tensor (likewise a bf16 q/k and its fp32 upcast in the RMS norm).
+    copy; without autocast they share one tensor. (The rotary tables are built once per forward and
+    shared by every block: not counted.)
   - ``*`` = kept only when the modulation weights train (full fine-tuning), ``°`` = kept only
     when that Linear trains (full) or carries an adapter (LoRA: + ``a·r`` for the adapter's inner
     activation).
@@ -61,19 +61,19 @@ FP32 = 4
 #: kind: "f" = always fp32, "a" = compute dtype; condition: "always" | "modulation" (full fine-tuning
 #: only) | the Linear whose input it is (kept when that Linear trains or carries an adapter).
 #: "c": the bf16 copy autocast makes of a Linear's fp32 input for that call alone (not shared between the
-#: q/k/v projections reading the same tensor; absent without autocast). The same holds for the bf16 q/k
-#: an RMS norm multiplies in fp32: its fp32 upcast and the bf16 original are two tensors under autocast.
+#: q/k/v projections reading the same tensor; absent without autocast). The q/k RMS norms keep only their
+#: input (in the compute dtype) and a per-row rstd.
 DOUBLE_STREAM: tuple[tuple[float, str, str], ...] = (
     (1, "f", "always"), (1, "f", "modulation"), (1, "a", "attn.to_q"), (1, "c", "attn.to_k"),
-    (1, "c", "attn.to_v"), (2, "f", "always"), (2, "c", "always"), (2, "f", "modulation"), (3, "a", "always"),
+    (1, "c", "attn.to_v"), (2, "a", "always"), (3, "a", "always"),
     (1, "a", "always"), (1, "a", "attn.to_out.0"), (1, "a", "modulation"),
     (1, "f", "always"), (1, "f", "modulation"), (1, "a", "ff.net.0.proj"), (4, "a", "always"),
     (4, "a", "ff.net.2"), (1, "a", "modulation"),
 )  # fmt: skip
 SINGLE_STREAM: tuple[tuple[float, str, str], ...] = (
     (1, "f", "always"), (1, "f", "modulation"), (1, "a", "attn.to_q"), (1, "c", "attn.to_k"),
-    (1, "c", "attn.to_v"), (1, "c", "proj_mlp"), (4, "a", "always"), (2, "f", "always"), (2, "c", "always"),
-    (2, "f", "modulation"), (3, "a", "always"), (1, "a", "always"), (5, "a", "proj_out"), (1, "a", "modulation"),
+    (1, "c", "attn.to_v"), (1, "c", "proj_mlp"), (4, "a", "always"), (2, "a", "always"),
+    (3, "a", "always"), (1, "a", "always"), (5, "a", "proj_out"), (1, "a", "modulation"),
 )  # fmt: skip
 HEAD = ((3, "f"), (2, "a"))
 #: adapted Linears an image/text token passes through per block (for the adapter's r-sized activation)
