@@ -251,15 +251,27 @@ def unbatch(t: torch.Tensor, ndim: int) -> torch.Tensor:
     return t[0] if t.ndim == ndim + 1 and t.shape[0] == 1 else t
 
 
-def clip_latent(entry: dict[str, torch.Tensor], generator: torch.Generator | None) -> torch.Tensor:
-    """``(C, T, H, W)`` raw VAE latent of one clip: the stored sample, or mean + std * eps."""
+def clip_latent(
+    entry: dict[str, torch.Tensor],
+    generator: torch.Generator | None,
+    frames: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``(C, T, H, W)`` raw VAE latent of one clip in float32: the stored sample, or mean + std * eps
+    (eps drawn for the whole clip, so the first frames are the same whatever ``frames`` is). Only the
+    first ``frames`` frames (all if None), written into ``out`` if given: the stored bf16 tensors are
+    read once, with no float32 copies of them (the loader's share of a training step's host time)."""
     if "latent_sample" in entry:
-        return unbatch(entry["latent_sample"], 4).float()
-    mean = unbatch(entry["latent_mean"], 4).float()
+        z = unbatch(entry["latent_sample"], 4)[:, :frames]
+        return z.float() if out is None else out.copy_(z)
+    mean = unbatch(entry["latent_mean"], 4)
     if "latent_std" not in entry:
-        return mean
-    std = unbatch(entry["latent_std"], 4).float()
-    return mean + std * torch.randn(mean.shape, generator=generator, dtype=mean.dtype)
+        return mean[:, :frames].float() if out is None else out.copy_(mean[:, :frames])
+    std = unbatch(entry["latent_std"], 4)
+    eps = torch.randn(mean.shape, generator=generator, dtype=torch.float32)[:, :frames]
+    dtype = torch.promote_types(std.dtype, torch.float32)
+    z = torch.mul(std[:, :frames], eps, out=out if out is not None else torch.empty_like(eps, dtype=dtype))
+    return z.add_(mean[:, :frames])
 
 
 class LatentClipLoader:
@@ -304,7 +316,11 @@ class LatentClipLoader:
         batch = resolve_batch(self.sampler, step, try_load, self.caption_dropout)
         frames = batch.choice.bucket[0]
         generator = self.sampler.posterior_generator(step)
-        latents = torch.stack([clip_latent(loaded[cid], generator)[:, :frames] for cid in batch.ids])  # type: ignore[index]
+        first = loaded[batch.ids[0]]
+        shape = unbatch(first["latent_sample" if "latent_sample" in first else "latent_mean"], 4).shape  # type: ignore[index]
+        latents = torch.empty((len(batch.ids), shape[0], frames, *shape[2:]))
+        for row, cid in zip(latents, batch.ids, strict=True):
+            clip_latent(loaded[cid], generator, frames, out=row)  # type: ignore[arg-type]
         text = {key: [] for key in TEXT_KEYS}
         for cid, drop in zip(batch.ids, batch.dropped, strict=False):
             entry = loaded[cid]

@@ -90,21 +90,20 @@ SD3_LATENT_NORM = LatentNorm(
 
 
 def normalize_latents(z: Tensor, norm: LatentNorm) -> Tensor:
-    """Raw VAE latents (B, C, T, h, w) -> the DiT's latent space. Returns a new tensor."""
-    first = (z[:, :, :1] - norm.image_shift) * norm.image_scale
-    if z.shape[2] == 1:
-        return first
-    rest = (z[:, :, 1:] - norm.video_shift) * norm.video_scale
-    return torch.cat([first, rest], dim=2)
+    """Raw VAE latents (B, C, T, h, w) -> the DiT's latent space: ``(z - shift) * scale`` with the image
+    factors on frame 0 and the video factors after. Returns a new tensor (both parts written into it)."""
+    out = torch.empty_like(z, memory_format=torch.contiguous_format)
+    torch.sub(z[:, :, :1], norm.image_shift, out=out[:, :, :1]).mul_(norm.image_scale)
+    torch.sub(z[:, :, 1:], norm.video_shift, out=out[:, :, 1:]).mul_(norm.video_scale)
+    return out
 
 
 def denormalize_latents(z: Tensor, norm: LatentNorm) -> Tensor:
     """Inverse of :func:`normalize_latents` (``z / scale + shift`` per frame). Returns a new tensor."""
-    first = z[:, :, :1] / norm.image_scale + norm.image_shift
-    if z.shape[2] == 1:
-        return first
-    rest = z[:, :, 1:] / norm.video_scale + norm.video_shift
-    return torch.cat([first, rest], dim=2)
+    out = torch.empty_like(z, memory_format=torch.contiguous_format)
+    torch.div(z[:, :, :1], norm.image_scale, out=out[:, :, :1]).add_(norm.image_shift)
+    torch.div(z[:, :, 1:], norm.video_scale, out=out[:, :, 1:]).add_(norm.video_shift)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
