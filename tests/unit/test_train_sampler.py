@@ -110,3 +110,27 @@ def test_image_ratio_mixes_images_by_ratio() -> None:
 def test_shard_too_small_for_a_batch() -> None:
     with pytest.raises(CacheError, match="batch_size=4"):
         sampler(0, groups=4, data=clips({8: 6})).next_batch(0)
+
+
+def test_clip_latent_samples_the_whole_clip_then_keeps_the_first_frames() -> None:
+    """mean + std * eps with eps drawn for the whole stored clip: a shorter bucket sees the same first
+    frames as a longer one, written into the batch row in float32 (the bf16 inputs read as they are)."""
+    import torch
+
+    from pfctl.data.dataset import clip_latent
+
+    gen = torch.Generator().manual_seed(1)
+    entry = {
+        "latent_mean": torch.randn(4, 9, 3, 5).bfloat16(),
+        "latent_std": torch.rand(4, 9, 3, 5).bfloat16(),
+    }
+    eps = torch.randn(4, 9, 3, 5, generator=torch.Generator().manual_seed(7))
+    expected = entry["latent_mean"].float() + entry["latent_std"].float() * eps
+    full = clip_latent(entry, torch.Generator().manual_seed(7))
+    row = torch.empty(4, 5, 3, 5)
+    assert clip_latent(entry, torch.Generator().manual_seed(7), 5, out=row) is row
+    assert full.dtype == torch.float32 and torch.equal(full, expected) and torch.equal(row, expected[:, :5])
+    assert torch.equal(
+        clip_latent({"latent_sample": entry["latent_mean"]}, gen, 2), entry["latent_mean"][:, :2].float()
+    )
+    assert torch.equal(clip_latent({"latent_mean": entry["latent_mean"]}, gen), entry["latent_mean"].float())
