@@ -8,9 +8,9 @@ PyTorch needs two reductions, a broadcast multiply-add that does not vectorise a
 SiLU pass for the same work: about twice the memory traffic, and the VAE is bound by it outside
 its convolutions (the profiles in benchmarks/RESULTS.md).
 
-Used only where :func:`applies` says so (CUDA, channels-last, no autograd, Triton importable,
-not switched off with ``PFCTL_FUSED_NORM=0``);
-everything else takes the PyTorch path in :class:`~pfctl.models.causal_vae.conv.FrameGroupNorm`.
+Used only where :func:`applies` says so (CUDA, channels-last, no autograd, Triton importable, not
+switched off with ``PFCTL_FUSED_NORM=0``); everything else takes the PyTorch path in
+:class:`~pfctl.models.causal_vae.conv.FrameGroupNorm`.
 Results equal that path's up to float32 summation order, except that SiLU sees the float32 value
 instead of a bf16-rounded one (more accurate, within bf16 rounding of the unfused result).
 """
