@@ -254,6 +254,28 @@ def test_fused_group_norm_kernels_in_the_triton_interpreter() -> None:
     assert float(run.stdout.split()[-1]) < 1e-5
 
 
+def test_fused_norm_failure_falls_back_to_pytorch_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Triton that cannot compile for the GPU must not stop a decode: warn, switch the kernels off,
+    and compute with PyTorch ops (same result as the unfused path)."""
+    from pfctl.models.causal_vae import fused
+    from pfctl.models.causal_vae.conv import FrameGroupNorm
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel image for this device")
+
+    monkeypatch.setattr(fused, "ENABLED", True)
+    monkeypatch.setattr(fused, "applies", lambda x: fused.ENABLED)
+    monkeypatch.setattr(fused, "group_norm_act", broken)
+    norm = FrameGroupNorm(4, 8, eps=1e-6)
+    x = torch.randn(1, 8, 3, 4, 5)
+    front = torch.randn(1, 8, 2, 4, 5)
+    with torch.no_grad():
+        out = norm.forward_act(x, torch.nn.SiLU(), front)
+        assert fused.ENABLED is False
+        expected = torch.cat([front, torch.nn.functional.silu(norm(x))], dim=2)
+    assert torch.equal(out, expected)
+
+
 # ---- training / purity -------------------------------------------------------------------------------
 
 

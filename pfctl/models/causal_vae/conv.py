@@ -105,7 +105,17 @@ class FrameGroupNorm(nn.GroupNorm):
 
     def _fused(self, x: Tensor, silu: bool, front: Tensor | None = None) -> Tensor:
         weight, bias = (self.weight, self.bias) if self.affine else (None, None)
-        return fused.group_norm_act(x, self.num_groups, weight, bias, self.eps, silu, front)
+        try:
+            return fused.group_norm_act(x, self.num_groups, weight, bias, self.eps, silu, front)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # a Triton that cannot compile for this GPU: say so once, then PyTorch ops
+            from pfctl.runtime import logging as pflog
+
+            fused.ENABLED = False
+            pflog.warn(f"fused VAE norm kernels unavailable ({type(exc).__name__}: {exc}); using PyTorch ops")
+            y = self(x) if not silu else nn.functional.silu(self(x))
+            return y if front is None else torch.cat([front, y], dim=2)
 
     def _channels_last(self, x: Tensor) -> Tensor:
         """The same norm on a (B, T, H, W, C)-stored tensor, without leaving that layout.
