@@ -18,7 +18,15 @@ from torch import Tensor, nn
 
 from pfctl.models.causal_vae import fused
 
-__all__ = ["CausalConv3d", "FrameCache", "FrameGroupNorm", "from_frames", "is_channels_last", "to_frames"]
+__all__ = [
+    "CausalConv3d",
+    "FrameCache",
+    "FrameGroupNorm",
+    "folded_affine",
+    "from_frames",
+    "is_channels_last",
+    "to_frames",
+]
 
 
 def to_frames(x: Tensor) -> Tensor:
@@ -46,6 +54,28 @@ def is_channels_last(x: Tensor) -> bool:
         and x.stride(1) == 1
         and x.is_contiguous(memory_format=torch.channels_last_3d)
     )
+
+
+def folded_affine(
+    s1: Tensor, s2: Tensor, count: int, channels: int, weight: Tensor | None, bias: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor]:
+    """GroupNorm as ``y = x * scale + shift``: from per-group sums of x and x² over ``count`` values
+    (``s1``, ``s2``: (..., G), float32) to per-channel float32 ``scale`` and ``shift`` (..., ``channels``)
+    that fold in the mean, 1/std and the affine weight and bias (float32 by type promotion, whatever
+    their dtype). Shared by :class:`FrameGroupNorm`'s channels-last path and the fused kernels."""
+    g = s1.shape[-1]
+    cg = channels // g
+    mean = s1 * (1.0 / count)
+    var = torch.addcmul(s2 * (1.0 / count), mean, mean, value=-1.0)
+    rstd = (var.clamp_min(0.0) + eps).rsqrt().unsqueeze(-1)  # (..., G, 1)
+    mean = mean.unsqueeze(-1)
+    if weight is not None:
+        scale = rstd * weight.view(g, cg)
+        shift = torch.addcmul(bias.view(g, cg), mean, scale, value=-1.0)
+    else:
+        scale = rstd.expand(*rstd.shape[:-1], cg)
+        shift = (-mean * rstd).expand_as(scale)
+    return scale.reshape(*s1.shape[:-1], channels), shift.reshape(*s1.shape[:-1], channels)
 
 
 class FrameCache:
@@ -88,8 +118,8 @@ class FrameGroupNorm(nn.GroupNorm):
     def forward(self, x: Tensor) -> Tensor:
         if x.ndim != 5:
             return super().forward(x)
-        if fused.applies(x):
-            return self._fused(x, silu=False)
+        if fused.applies(x) and (y := self._fused(x, silu=False)) is not None:
+            return y
         if is_channels_last(x):
             return self._channels_last(x)
         return from_frames(super().forward(to_frames(x)), x.shape[2])
@@ -99,23 +129,26 @@ class FrameGroupNorm(nn.GroupNorm):
         :meth:`CausalConv3d.front`). With SiLU on a tensor :func:`fused.applies` to: one fused pass
         that writes straight behind the context frames (no separate activation or concatenation)."""
         if isinstance(act, nn.SiLU) and x.ndim == 5 and fused.applies(x):
-            return self._fused(x, silu=True, front=front)
+            y = self._fused(x, silu=True, front=front)
+            if y is not None:
+                return y
         y = act(self(x))
         return y if front is None else torch.cat([front, y], dim=2)
 
-    def _fused(self, x: Tensor, silu: bool, front: Tensor | None = None) -> Tensor:
+    def _fused(self, x: Tensor, silu: bool, front: Tensor | None = None) -> Tensor | None:
+        """The Triton kernels' result, or None (and the kernels switched off, with a warning) when they
+        fail, e.g. a Triton that cannot compile for this GPU: the caller then uses PyTorch ops."""
         weight, bias = (self.weight, self.bias) if self.affine else (None, None)
         try:
             return fused.group_norm_act(x, self.num_groups, weight, bias, self.eps, silu, front)
         except torch.OutOfMemoryError:
             raise
-        except Exception as exc:  # a Triton that cannot compile for this GPU: say so once, then PyTorch ops
+        except Exception as exc:
             from pfctl.runtime import logging as pflog
 
             fused.ENABLED = False
             pflog.warn(f"fused VAE norm kernels unavailable ({type(exc).__name__}: {exc}); using PyTorch ops")
-            y = self(x) if not silu else nn.functional.silu(self(x))
-            return y if front is None else torch.cat([front, y], dim=2)
+            return None
 
     def _channels_last(self, x: Tensor) -> Tensor:
         """The same norm on a (B, T, H, W, C)-stored tensor, without leaving that layout.
@@ -133,19 +166,10 @@ class FrameGroupNorm(nn.GroupNorm):
         # thousands of these norms on small tiles (launches, not bytes, set the pace there)
         s1 = pixels.sum(dim=2, dtype=torch.float32).view(b, t, g, cg).sum(-1)
         s2 = torch.linalg.vector_norm(pixels, dim=2, dtype=torch.float32).square().view(b, t, g, cg).sum(-1)
-        mean = s1 * (1.0 / (h * w * cg))
-        var = torch.addcmul(s2 * (1.0 / (h * w * cg)), mean, mean, value=-1.0)
-        rstd = (var.clamp_min(0.0) + self.eps).rsqrt().unsqueeze(-1)  # (B, T, G, 1)
-        mean = mean.unsqueeze(-1)
-        if self.affine:  # float32 results (type promotion), whatever the parameters' dtype
-            scale = rstd * self.weight.view(g, cg)
-            shift = torch.addcmul(self.bias.view(g, cg), mean, scale, value=-1.0)
-        else:
-            scale = rstd.expand(b, t, g, cg)
-            shift = -mean * rstd
-            shift = shift.expand(b, t, g, cg)
-        scale = scale.reshape(b, t, c).permute(0, 2, 1)[..., None, None]  # (B, C, T, 1, 1)
-        shift = shift.reshape(b, t, c).permute(0, 2, 1)[..., None, None]
+        weight, bias = (self.weight, self.bias) if self.affine else (None, None)
+        scale, shift = folded_affine(s1, s2, h * w * cg, c, weight, bias, self.eps)  # (B, T, C)
+        scale = scale.permute(0, 2, 1)[..., None, None]  # (B, C, T, 1, 1)
+        shift = shift.permute(0, 2, 1)[..., None, None]
         if torch.is_grad_enabled() and (x.requires_grad or scale.requires_grad):
             return torch.addcmul(shift, x, scale).to(x.dtype)
         # computed in float32, written straight into x's dtype and layout

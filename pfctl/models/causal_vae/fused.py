@@ -123,6 +123,8 @@ def group_norm_act(
     if ``silu``; ``x`` is (B, C, T, H, W) stored channels-last. Returns a tensor like ``x``, or, with
     ``front`` (B, C, F, H, W), ``torch.cat([front, result], dim=2)`` without a separate copy of the
     result (the normalised frames are written behind the front frames)."""
+    from pfctl.models.causal_vae.conv import folded_affine
+
     triton = _triton()
     channel_sums, normalize = _kernels()
     b, c, t, h, w = x.shape
@@ -136,19 +138,8 @@ def group_norm_act(
     part = torch.empty((frames, blocks, 2, c), device=x.device, dtype=torch.float32)
     channel_sums[(frames, blocks)](x, part, pixels, c, BLOCK_P=block_p, BLOCK_C=block_c, ITERS=iters)
     sums = part.sum(1).view(frames, 2, groups, cg).sum(-1)  # (frames, 2, groups)
-    n = pixels * cg
-    mean = sums[:, 0] / n
-    var = (sums[:, 1] / n - mean * mean).clamp_min(0.0)
-    rstd = torch.rsqrt(var + eps).unsqueeze(-1)  # (frames, groups, 1)
-    mean = mean.unsqueeze(-1)
-    if weight is not None:
-        scale = rstd * weight.float().view(groups, cg)
-        shift = bias.float().view(groups, cg) - mean * scale
-    else:
-        scale = rstd.expand(frames, groups, cg)
-        shift = -mean * rstd
-    scale = scale.reshape(frames, c).contiguous()
-    shift = shift.expand(frames, groups, cg).reshape(frames, c).contiguous()
+    scale, shift = folded_affine(sums[:, 0], sums[:, 1], pixels * cg, c, weight, bias, eps)  # (frames, C)
+    scale, shift = scale.contiguous(), shift.contiguous()
     extra = 0 if front is None else front.shape[2]
     y = torch.empty(
         (b, c, extra + t, h, w), device=x.device, dtype=x.dtype, memory_format=torch.channels_last_3d
