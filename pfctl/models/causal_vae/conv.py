@@ -235,8 +235,9 @@ class CausalConv3d(nn.Module):
         if cache is not None and not cache.first_chunk:
             return cache.get(self)
         b, c, _, h, w = like.shape
-        zeros = like.new_zeros((b, c, self.time_pad, h, w))
-        return zeros.contiguous(memory_format=torch.channels_last_3d) if is_channels_last(like) else zeros
+        layout = torch.channels_last_3d if is_channels_last(like) else torch.contiguous_format
+        shape = (b, c, self.time_pad, h, w)
+        return torch.empty(shape, dtype=like.dtype, device=like.device, memory_format=layout).zero_()
 
     def forward(self, x: Tensor, cache: FrameCache | None = None, padded: bool = False) -> Tensor:
         """``padded``: ``x`` already starts with :meth:`front`'s frames."""

@@ -434,7 +434,7 @@ class CausalVideoVAE(ModelMixin, ConfigMixin):
             return sum(min(keep, (min(s + tile_in, n) - s) * tile_out // tile_in) for s in starts)
 
         out = None
-        above: list[Tensor] = []  # bottom strip of each finished tile of the previous row
+        above: list[Tensor | None] = [None] * len(cols)  # bottom strip of each tile of the previous row
         for r, i in enumerate(rows):
             left = None
             for c, j in enumerate(cols):
@@ -449,11 +449,7 @@ class CausalVideoVAE(ModelMixin, ConfigMixin):
                 piece = tile[:, :, :, :keep, :keep]
                 top, lft = r * keep, c * keep
                 out[:, :, :, top : top + piece.shape[3], lft : lft + piece.shape[4]].copy_(piece)
-                strip = tile[:, :, :, -extent:].clone()
-                if r:
-                    above[c] = strip
-                else:
-                    above.append(strip)
+                above[c] = tile[:, :, :, -extent:].clone()
                 left = tile[:, :, :, :, -extent:].clone()
         return out
 
