@@ -526,6 +526,11 @@ class _Encoder:
             job.ready.record()
         return job
 
+    def clip_failed(self, item: Item, clip_id: str, reason: str, detail: str) -> int:
+        """Record one clip's failure (it is not written); return 1, the failure count it adds."""
+        self.failures.append(_failure_row(item, MediaError(reason, detail), self.rank, clip_id))
+        return 1
+
     def finish(self) -> int:
         """Write the clip in flight, if any; return 1 if it failed, else 0."""
         job, self.pending = self.pending, None
@@ -535,24 +540,15 @@ class _Encoder:
             if job.ready is not None:
                 job.ready.synchronize()
         except Exception as exc:  # an error of the queued encode surfaces here
-            self.failures.append(
-                _failure_row(
-                    job.item,
-                    MediaError("encode_error", f"{type(exc).__name__}: {exc}"),
-                    self.rank,
-                    job.plan.clip_id,
-                )
+            return self.clip_failed(
+                job.item, job.plan.clip_id, "encode_error", f"{type(exc).__name__}: {exc}"
             )
-            return 1
         latents, text = job.latents, job.text
         if faults.poisoned("encode_nan", clip=job.plan.clip_id):  # test hook
             latents = {k: torch.full_like(v, float("nan")) for k, v in latents.items()}
         bad = non_finite({**latents, **text})
         if bad:  # a NaN clip would poison every training step that draws it
-            self.failures.append(
-                _failure_row(job.item, MediaError("non_finite", bad), self.rank, job.plan.clip_id)
-            )
-            return 1
+            return self.clip_failed(job.item, job.plan.clip_id, "non_finite", bad)
         metadata = {
             "item_id": job.item.id,
             "kind": job.item.kind,
@@ -609,15 +605,7 @@ class _Encoder:
             except PfctlError:
                 raise  # a configuration problem (chunk size, tile): every clip would fail the same way
             except Exception as exc:
-                self.failures.append(
-                    _failure_row(
-                        item,
-                        MediaError("encode_error", f"{type(exc).__name__}: {exc}"),
-                        self.rank,
-                        plan.clip_id,
-                    )
-                )
-                failed += 1
+                failed += self.clip_failed(item, plan.clip_id, "encode_error", f"{type(exc).__name__}: {exc}")
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
                 continue
