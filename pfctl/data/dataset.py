@@ -251,6 +251,11 @@ def unbatch(t: torch.Tensor, ndim: int) -> torch.Tensor:
     return t[0] if t.ndim == ndim + 1 and t.shape[0] == 1 else t
 
 
+def stored_latent(entry: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``(C, T, H, W)`` as stored: the clip's latent sample, else its posterior mean."""
+    return unbatch(entry["latent_sample"] if "latent_sample" in entry else entry["latent_mean"], 4)
+
+
 def clip_latent(
     entry: dict[str, torch.Tensor],
     generator: torch.Generator | None,
@@ -261,17 +266,14 @@ def clip_latent(
     (eps drawn for the whole clip, so the first frames are the same whatever ``frames`` is). Only the
     first ``frames`` frames (all if None), written into ``out`` if given: the stored bf16 tensors are
     read once, with no float32 copies of them (the loader's share of a training step's host time)."""
-    if "latent_sample" in entry:
-        z = unbatch(entry["latent_sample"], 4)[:, :frames]
-        return z.float() if out is None else out.copy_(z)
-    mean = unbatch(entry["latent_mean"], 4)
-    if "latent_std" not in entry:
-        return mean[:, :frames].float() if out is None else out.copy_(mean[:, :frames])
+    stored = stored_latent(entry)
+    if "latent_sample" in entry or "latent_std" not in entry:
+        return stored[:, :frames].float() if out is None else out.copy_(stored[:, :frames])
     std = unbatch(entry["latent_std"], 4)
-    eps = torch.randn(mean.shape, generator=generator, dtype=torch.float32)[:, :frames]
+    eps = torch.randn(stored.shape, generator=generator, dtype=torch.float32)[:, :frames]
     dtype = torch.promote_types(std.dtype, torch.float32)
     z = torch.mul(std[:, :frames], eps, out=out if out is not None else torch.empty_like(eps, dtype=dtype))
-    return z.add_(mean[:, :frames])
+    return z.add_(stored[:, :frames])  # + the mean
 
 
 class LatentClipLoader:
@@ -317,7 +319,7 @@ class LatentClipLoader:
         frames = batch.choice.bucket[0]
         generator = self.sampler.posterior_generator(step)
         first = loaded[batch.ids[0]]
-        shape = unbatch(first["latent_sample" if "latent_sample" in first else "latent_mean"], 4).shape  # type: ignore[index]
+        shape = stored_latent(first).shape  # type: ignore[arg-type]
         latents = torch.empty((len(batch.ids), shape[0], frames, *shape[2:]))
         for row, cid in zip(latents, batch.ids, strict=True):
             clip_latent(loaded[cid], generator, frames, out=row)  # type: ignore[arg-type]

@@ -31,7 +31,15 @@ from typing import Any
 import torch
 
 from pfctl.config.train import TrainConfig, check_train_constraints, columns_to_stages
-from pfctl.data.dataset import ClipInfo, LatentClipLoader, SyncGroupSampler, TrainBatch, group_rng, unbatch
+from pfctl.data.dataset import (
+    ClipInfo,
+    LatentClipLoader,
+    SyncGroupSampler,
+    TrainBatch,
+    group_rng,
+    stored_latent,
+    unbatch,
+)
 from pfctl.errors import CacheError, CheckFailed, CheckpointError, ConfigError
 from pfctl.flow.loss import flow_matching_loss
 from pfctl.flow.pyramid import (
@@ -708,7 +716,7 @@ class Trainer:
         for i, clip in enumerate(self.heldout):
             entry = self.cache.load(clip.id)
             frames = min(clip.num_latent_frames, cfg.max_units)
-            latent = self.loader.normalize(_clip_latent(entry)[None, :, :frames])
+            latent = self.loader.normalize(stored_latent(entry)[None, :, :frames].float())
             gen = torch.Generator(device=device).manual_seed(
                 int(group_rng(self.runtime.seed, 301, i).integers(2**62))
             )
@@ -788,12 +796,6 @@ def _log_step(line: str) -> float:
 # ----------------------------------------------------------------------------------------------
 
 _TEXT = (("prompt_embeds", 2), ("prompt_attention_mask", 1), ("pooled_prompt_embeds", 1))
-
-
-def _clip_latent(entry: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The posterior mean (or stored sample): deterministic, for checks and the held-out loss."""
-    key = "latent_mean" if "latent_mean" in entry else "latent_sample"
-    return unbatch(entry[key], 4).float()
 
 
 def optimizer_state(trainer: Trainer) -> dict[str, Any]:
@@ -1006,7 +1008,7 @@ def check_cache_matches_model(cache: Any, model: torch.nn.Module) -> None:
         entry = cache.load(cache.ids()[0])
     except Exception:
         return  # a broken first clip is handled (replaced) by the loader
-    latent = _clip_latent(entry)
+    latent = stored_latent(entry)  # the posterior mean or the stored sample: deterministic
     in_channels = int(config.get("in_channels", 0)) if hasattr(config, "get") else 0
     patch_channels = latent.shape[0] * 4
     if in_channels and in_channels not in (latent.shape[0], patch_channels):
