@@ -237,7 +237,59 @@ for c, g, t, h, w, affine in [(64, 32, 3, 5, 7, True), (96, 32, 2, 9, 4, False),
             front = torch.randn(2, c, 2, h, w).to(memory_format=torch.channels_last_3d)
             y = fused.group_norm_act(x, g, norm.weight if affine else None, norm.bias if affine else None, 1e-6, silu, front)
             worst = max(worst, (y - torch.cat([front, expected], dim=2)).abs().max().item())
+            # a conv's left-out bias folded into the statistics and the shift
+            xb = torch.randn(c)
+            want = norm((x + xb.view(-1, 1, 1, 1)).contiguous())
+            want = F.silu(want) if silu else want
+            y = fused.group_norm_act(x, g, norm.weight if affine else None, norm.bias if affine else None, 1e-6, silu, None, xb)
+            worst = max(worst, (y - want).abs().max().item())
+    # bias (+ residual) added in place, channels innermost
+    r = torch.randn(x.shape).to(memory_format=torch.channels_last_3d)
+    for residual in (None, r):
+        y = x.clone()
+        fused.add_bias(y, xb, residual)
+        want = x + xb.view(-1, 1, 1, 1) + (0 if residual is None else residual)
+        assert y.is_contiguous(memory_format=torch.channels_last_3d)
+        worst = max(worst, (y - want).abs().max().item())
 print(worst)
+"""
+
+_FUSED_MODEL_CHECK = """
+import torch, torch.nn.functional as F
+from pfctl.models.causal_vae import fused
+from pfctl.models.causal_vae.conv import is_channels_last
+from pfctl.models.vae import build_tiny_causal_vae
+conv3d = F.conv3d
+def keep_layout(x, *args, **kwargs):  # cuDNN keeps channels-last; the CPU's convs do not
+    y = conv3d(x, *args, **kwargs)
+    return y.contiguous(memory_format=torch.channels_last_3d) if is_channels_last(x) else y
+F.conv3d = keep_layout
+fused.applies = lambda x: fused.ENABLED and x.ndim == 5 and is_channels_last(x) and not torch.is_grad_enabled()
+calls = {"folded": 0, "bias": 0, "residual": 0}
+norm_act, add_bias = fused.group_norm_act, fused.add_bias
+def counted_norm(*args):
+    calls["folded"] += args[-1] is not None
+    return norm_act(*args)
+def counted_bias(y, bias, residual=None):
+    calls["residual" if residual is not None else "bias"] += 1
+    return add_bias(y, bias, residual)
+fused.group_norm_act, fused.add_bias = counted_norm, counted_bias
+model = build_tiny_causal_vae()
+for p in model.parameters():
+    if p.ndim == 1:
+        torch.nn.init.normal_(p, 0.0, 0.1)  # non-zero biases: a lost or doubled bias shows
+video = torch.rand(1, 3, 17, 16, 24, generator=torch.Generator().manual_seed(0)) * 2 - 1
+with torch.no_grad():
+    fused.ENABLED = False  # the PyTorch path, default layout
+    mean = model.encode(video, temporal_chunk=True, window_size=8).mean
+    pixels = model.decode(mean, temporal_chunk=True, window_size=1)
+    assert not any(calls.values())
+    fused.ENABLED = True
+    model.use_channels_last()
+    mean_cl = model.encode(video, temporal_chunk=True, window_size=8).mean
+    pixels_cl = model.decode(mean, temporal_chunk=True, window_size=1)
+assert all(calls.values()), calls
+print(max((mean_cl - mean).abs().max().item(), (pixels_cl - pixels).abs().max().item()))
 """
 
 
@@ -252,6 +304,19 @@ def test_fused_group_norm_kernels_in_the_triton_interpreter() -> None:
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert float(run.stdout.split()[-1]) < 1e-5
+
+
+def test_fused_kernels_in_a_channels_last_model_in_the_triton_interpreter() -> None:
+    """The whole tiny VAE, channels-last, with the Triton kernels (interpreter, CPU convs made to keep
+    the layout as cuDNN does): the convs' biases folded into the next norm, the residual sums and the
+    upsamplers' copies give the default path's encode and decode (float32: agreement to 1e-4)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", _FUSED_MODEL_CHECK], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert float(run.stdout.split()[-1]) < 1e-4
 
 
 def test_fused_norm_failure_falls_back_to_pytorch_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -494,10 +559,16 @@ def test_frame_group_norm_channels_last_equals_default(affine: bool) -> None:
 
 
 class _Passthrough(torch.nn.Module):
-    """Stands in for an upsampler's conv, so the depth-to-space step sees a channels-last tensor on the CPU."""
+    """Stands in for an upsampler's conv (identity weights, a random bias), so the depth-to-space step
+    sees a channels-last tensor on the CPU."""
 
-    def forward(self, x: torch.Tensor, cache: FrameCache | None = None) -> torch.Tensor:
-        return x
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = torch.nn.Module()
+        self.conv.bias = torch.nn.Parameter(torch.randn(channels, generator=torch.Generator().manual_seed(2)))
+
+    def forward(self, x: torch.Tensor, cache: FrameCache | None = None, bias: bool = True) -> torch.Tensor:
+        return x + self.conv.bias.view(-1, 1, 1, 1) if bias else x
 
 
 @pytest.mark.parametrize("kind", ["spatial", "temporal"])
@@ -507,12 +578,13 @@ def test_upsamplers_channels_last_equal_default(kind: str, first_chunk: bool) ->
     from pfctl.models.causal_vae.conv import is_channels_last
 
     up = SpatialUpsample(3) if kind == "spatial" else TemporalUpsample(3)
-    up.conv = _Passthrough()
+    up.conv = _Passthrough(12 if kind == "spatial" else 6)
     y = torch.randn(2, 12 if kind == "spatial" else 6, 3, 4, 5, generator=torch.Generator().manual_seed(1))
     cache = FrameCache()
     if not first_chunk:
         cache.next_chunk()
-    ref, out = up(y, cache), up(_channels_last(y), cache)
+    with torch.no_grad():  # channels-last: the conv's bias is added in the rearranging copy instead
+        ref, out = up(y, cache), up(_channels_last(y), cache)
     assert is_channels_last(out) or (kind == "temporal" and first_chunk)  # a sliced-off frame 0 is a view
     assert torch.equal(out, ref)
 

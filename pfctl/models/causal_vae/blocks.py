@@ -15,10 +15,12 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from pfctl.errors import ConfigError
+from pfctl.models.causal_vae import fused
 from pfctl.models.causal_vae.conv import (
     CausalConv3d,
     FrameCache,
     FrameGroupNorm,
+    add_bias,
     from_frames,
     is_channels_last,
     to_frames,
@@ -57,15 +59,24 @@ class ResnetBlock(nn.Module):
         # each norm + activation writes its output behind the next conv's context frames (one fused
         # kernel on CUDA)
         h = self.norm1.forward_act(x, self.nonlinearity, self.conv1.front(cache, x))
-        h = self.conv1(h, cache, padded=True)
         if self.training and self.dropout.p > 0:  # dropout must not see the context frames
+            h = self.conv1(h, cache, padded=True)
             h = self.conv2(self.dropout(self.norm2.forward_act(h, self.nonlinearity)), cache)
-        else:
-            h = self.conv2(
-                self.norm2.forward_act(h, self.nonlinearity, self.conv2.front(cache, h)), cache, padded=True
-            )
-        skip = x if self.conv_shortcut is None else self.conv_shortcut(x, cache)
-        return skip + h
+            return (x if self.conv_shortcut is None else self.conv_shortcut(x, cache)) + h
+        # with the fused kernels, the convs leave their biases out: conv1's is folded into norm2's
+        # statistics, conv2's (and the shortcut's) into the residual sum, saving a pass over each output
+        fold = fused.applies(x)
+        h = self.conv1(h, cache, padded=True, bias=not fold)
+        x_bias = self.conv1.conv.bias if fold else None
+        h = self.norm2.forward_act(h, self.nonlinearity, self.conv2.front(cache, h), x_bias=x_bias)
+        h = self.conv2(h, cache, padded=True, bias=not fold)
+        skip = x if self.conv_shortcut is None else self.conv_shortcut(x, cache, bias=not fold)
+        if not fold:
+            return skip + h
+        biases = [
+            c.conv.bias for c in (self.conv2, self.conv_shortcut) if c is not None and c.conv.bias is not None
+        ]
+        return add_bias(h, sum(b.float() for b in biases), residual=skip) if biases else h.add_(skip)
 
 
 class SpatialDownsample(nn.Module):
@@ -90,6 +101,16 @@ class TemporalDownsample(nn.Module):
         return self.conv(x, cache)
 
 
+def _copy_with_bias(src: Tensor, bias: Tensor | None) -> Tensor:
+    """A contiguous copy of the (permuted) view ``src`` with ``bias`` broadcast-added on the way: the
+    bias add a conv would make as a pass of its own happens in the copy the upsamplers need anyway."""
+    if bias is None:
+        return src.contiguous()
+    if torch.is_grad_enabled() and (src.requires_grad or bias.requires_grad):  # no out= under autograd
+        return src.contiguous() + bias
+    return torch.add(src, bias, out=torch.empty(src.shape, dtype=src.dtype, device=src.device))
+
+
 class SpatialUpsample(nn.Module):
     """Depth-to-space: conv to 4C channels, then each channel quadruple becomes a 2x2 pixel block."""
 
@@ -98,18 +119,20 @@ class SpatialUpsample(nn.Module):
         self.conv = CausalConv3d(channels, channels * 4, 3)
 
     def forward(self, x: Tensor, cache: FrameCache | None = None) -> Tensor:
-        y = self.conv(x, cache)
+        channels_last = is_channels_last(x)  # then the bias is added in the depth-to-space copy
+        y = self.conv(x, cache, bias=not channels_last)
         b, c4, t, h, w = y.shape
         c = c4 // 4
         # channel index = c*4 + p1*2 + p2  ->  pixel (2h + p1, 2w + p2)
-        if is_channels_last(y):  # one copy from (b, t, h, w, c, p1, p2) to (b, t, h, p1, w, p2, c) storage
-            m = (
-                y.permute(0, 2, 3, 4, 1)
-                .reshape(b, t, h, w, c, 2, 2)
-                .permute(0, 1, 2, 5, 3, 6, 4)
-                .contiguous()
-            )
+        bias = self.conv.conv.bias if channels_last else None
+        if is_channels_last(y):  # one pass from (b, t, h, w, c, p1, p2) to (b, t, h, p1, w, p2, c) storage
+            src = y.permute(0, 2, 3, 4, 1).reshape(b, t, h, w, c, 2, 2).permute(0, 1, 2, 5, 3, 6, 4)
+            if bias is not None:
+                bias = bias.view(c, 2, 2).permute(1, 2, 0).unsqueeze(1)  # (p1, 1, p2, c)
+            m = _copy_with_bias(src, bias)
             return m.view(b, t, h * 2, w * 2, c).permute(0, 4, 1, 2, 3)
+        if bias is not None:  # a conv that did not keep the layout (the CPU's)
+            y = y + bias.view(-1, 1, 1, 1)
         y = y.reshape(b, c, 2, 2, t, h, w).permute(0, 1, 4, 5, 2, 6, 3)
         return y.reshape(b, c, t, h * 2, w * 2)
 
@@ -127,14 +150,19 @@ class TemporalUpsample(nn.Module):
         self.conv = CausalConv3d(channels, channels * 2, 3)
 
     def forward(self, x: Tensor, cache: FrameCache | None = None) -> Tensor:
-        y = self.conv(x, cache)
+        channels_last = is_channels_last(x)  # then the bias is added in the depth-to-time copy
+        y = self.conv(x, cache, bias=not channels_last)
         b, c2, t, h, w = y.shape
         c = c2 // 2
         # channel index = c*2 + p  ->  frame 2t + p
-        if is_channels_last(y):  # one copy from (b, t, h, w, c, p) to (b, t, p, h, w, c) storage
-            m = y.permute(0, 2, 3, 4, 1).reshape(b, t, h, w, c, 2).permute(0, 1, 5, 2, 3, 4).contiguous()
-            y = m.view(b, t * 2, h, w, c).permute(0, 4, 1, 2, 3)
+        bias = self.conv.conv.bias if channels_last else None
+        if is_channels_last(y):  # one pass from (b, t, h, w, c, p) to (b, t, p, h, w, c) storage
+            src = y.permute(0, 2, 3, 4, 1).reshape(b, t, h, w, c, 2).permute(0, 1, 5, 2, 3, 4)
+            bias = None if bias is None else bias.view(c, 2).t()[:, None, None, :]  # (p, 1, 1, c)
+            y = _copy_with_bias(src, bias).view(b, t * 2, h, w, c).permute(0, 4, 1, 2, 3)
         else:
+            if bias is not None:  # a conv that did not keep the layout (the CPU's)
+                y = y + bias.view(-1, 1, 1, 1)
             y = y.reshape(b, c, 2, t, h, w).permute(0, 1, 3, 2, 4, 5).reshape(b, c, t * 2, h, w)
         if cache is None or cache.first_chunk:
             y = y[:, :, 1:]

@@ -14,6 +14,7 @@ tiled call running its tiles one after another) can never see each other's frame
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pfctl.models.causal_vae import fused
@@ -22,6 +23,7 @@ __all__ = [
     "CausalConv3d",
     "FrameCache",
     "FrameGroupNorm",
+    "add_bias",
     "folded_affine",
     "from_frames",
     "is_channels_last",
@@ -124,31 +126,31 @@ class FrameGroupNorm(nn.GroupNorm):
             return self._channels_last(x)
         return from_frames(super().forward(to_frames(x)), x.shape[2])
 
-    def forward_act(self, x: Tensor, act: nn.Module, front: Tensor | None = None) -> Tensor:
-        """``act(self(x))``, preceded along time by ``front`` if given (a causal conv's context, see
-        :meth:`CausalConv3d.front`). With SiLU on a tensor :func:`fused.applies` to: one fused pass
-        that writes straight behind the context frames (no separate activation or concatenation)."""
+    def forward_act(
+        self, x: Tensor, act: nn.Module, front: Tensor | None = None, x_bias: Tensor | None = None
+    ) -> Tensor:
+        """``act(self(x + x_bias))``, preceded along time by ``front`` if given (a causal conv's context,
+        see :meth:`CausalConv3d.front`). ``x_bias``: the bias of the conv that produced ``x`` without it.
+        With SiLU on a tensor :func:`fused.applies` to: one fused pass that writes straight behind the
+        context frames (no separate bias, activation or concatenation pass)."""
         if isinstance(act, nn.SiLU) and x.ndim == 5 and fused.applies(x):
-            y = self._fused(x, silu=True, front=front)
+            y = self._fused(x, silu=True, front=front, x_bias=x_bias)
             if y is not None:
                 return y
+        if x_bias is not None:
+            x = x + x_bias.view(-1, *([1] * (x.ndim - 2)))
         y = act(self(x))
         return y if front is None else torch.cat([front, y], dim=2)
 
-    def _fused(self, x: Tensor, silu: bool, front: Tensor | None = None) -> Tensor | None:
-        """The Triton kernels' result, or None (and the kernels switched off, with a warning) when they
-        fail, e.g. a Triton that cannot compile for this GPU: the caller then uses PyTorch ops."""
+    def _fused(
+        self, x: Tensor, silu: bool, front: Tensor | None = None, x_bias: Tensor | None = None
+    ) -> Tensor | None:
+        """The Triton kernels' result, or None when they fail (:func:`fused.call`): the caller then
+        uses PyTorch ops."""
         weight, bias = (self.weight, self.bias) if self.affine else (None, None)
-        try:
-            return fused.group_norm_act(x, self.num_groups, weight, bias, self.eps, silu, front)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as exc:
-            from pfctl.runtime import logging as pflog
-
-            fused.ENABLED = False
-            pflog.warn(f"fused VAE norm kernels unavailable ({type(exc).__name__}: {exc}); using PyTorch ops")
-            return None
+        return fused.call(
+            fused.group_norm_act, x, self.num_groups, weight, bias, self.eps, silu, front, x_bias
+        )
 
     def _channels_last(self, x: Tensor) -> Tensor:
         """The same norm on a (B, T, H, W, C)-stored tensor, without leaving that layout.
@@ -239,10 +241,13 @@ class CausalConv3d(nn.Module):
         shape = (b, c, self.time_pad, h, w)
         return torch.empty(shape, dtype=like.dtype, device=like.device, memory_format=layout).zero_()
 
-    def forward(self, x: Tensor, cache: FrameCache | None = None, padded: bool = False) -> Tensor:
-        """``padded``: ``x`` already starts with :meth:`front`'s frames."""
+    def forward(
+        self, x: Tensor, cache: FrameCache | None = None, padded: bool = False, bias: bool = True
+    ) -> Tensor:
+        """``padded``: ``x`` already starts with :meth:`front`'s frames. ``bias=False``: leave the bias
+        out, for a caller that folds it into its next pass (``self.conv.bias``, see ``ResnetBlock``)."""
         if self.time_pad == 0:
-            return self.conv(x)
+            return self._conv(x, bias)
         if not padded:
             x = torch.cat([self.front(cache, x), x], dim=2)
         if cache is not None:
@@ -251,4 +256,22 @@ class CausalConv3d(nn.Module):
             s = self.temporal_stride
             next_start = s * ((n - self._span) // s + 1)
             cache.put(self, x[:, :, next_start:].detach().clone())
-        return self.conv(x)
+        return self._conv(x, bias)
+
+    def _conv(self, x: Tensor, bias: bool) -> Tensor:
+        """The convolution; where :func:`fused.applies`, its bias is added by one vectorised kernel
+        instead of PyTorch's broadcast add (the VAE's largest non-convolution cost on CUDA)."""
+        conv = self.conv
+        if conv.bias is None or (bias and not fused.applies(x)):
+            return conv(x)
+        y = F.conv3d(x, conv.weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
+        return add_bias(y, conv.bias) if bias else y
+
+
+def add_bias(y: Tensor, bias: Tensor, residual: Tensor | None = None) -> Tensor:
+    """``y + bias`` (per channel, dim 1) ``+ residual``, in place in ``y``: the fused kernel where
+    :func:`fused.applies`, else PyTorch's ops (the same arithmetic as a conv's own bias and a sum)."""
+    if fused.applies(y) and fused.call(fused.add_bias, y, bias, residual) is not None:
+        return y
+    y.add_(bias.view(-1, *([1] * (y.ndim - 2))))
+    return y if residual is None else y.add_(residual)

@@ -24,13 +24,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["ENABLED", "applies", "group_norm_act"]
+__all__ = ["ENABLED", "add_bias", "applies", "call", "group_norm_act"]
 
 #: switch the fused kernels off (``PFCTL_FUSED_NORM=0``, or set this to False) to run PyTorch's ops instead
 ENABLED = os.environ.get("PFCTL_FUSED_NORM", "1") != "0"
 
 _MAX_CHANNELS = 1024
 _TILE = 8192  # elements of x per program of the normalise kernel
+_BIAS_BLOCK = 4096  # elements per program of the bias kernel
 _STATS_PROGRAMS = 1024  # target number of programs of the statistics kernel
 
 
@@ -60,7 +61,7 @@ def applies(x: Tensor) -> bool:
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any]:
+def _kernels() -> tuple[Any, Any, Any]:
     triton = _triton()
     import triton.language as tl
 
@@ -107,7 +108,18 @@ def _kernels() -> tuple[Any, Any]:
             y = y * tl.sigmoid(y)
         tl.store(y_ptr + out_frame.to(tl.int64) * P * C + inside, y.to(y_ptr.dtype.element_ty), mask=mask)
 
-    return channel_sums, normalize
+    @triton.jit
+    def add_bias(y_ptr, r_ptr, b_ptr, N, C, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        # y[i] += bias[i % C] (+ r[i]) over a channels-last tensor's N elements, channel innermost
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < N
+        y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y += tl.load(b_ptr + offs % C, mask=mask, other=0.0)
+        if RESIDUAL:
+            y += tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+    return channel_sums, normalize, add_bias
 
 
 def group_norm_act(
@@ -118,15 +130,20 @@ def group_norm_act(
     eps: float,
     silu: bool,
     front: Tensor | None = None,
+    x_bias: Tensor | None = None,
 ) -> Tensor:
     """GroupNorm with statistics per frame (over H, W and the group's channels), affine, then SiLU
     if ``silu``; ``x`` is (B, C, T, H, W) stored channels-last. Returns a tensor like ``x``, or, with
     ``front`` (B, C, F, H, W), ``torch.cat([front, result], dim=2)`` without a separate copy of the
-    result (the normalised frames are written behind the front frames)."""
+    result (the normalised frames are written behind the front frames).
+
+    ``x_bias`` (C,): normalise ``x + x_bias`` instead, the bias of the convolution that produced ``x``
+    and left it out. It is folded into the per-channel sums (Σ(x+b) = Σx + n·b, Σ(x+b)² = Σx² + 2b·Σx
+    + n·b²) and the shift, so the biased tensor is never written."""
     from pfctl.models.causal_vae.conv import folded_affine
 
     triton = _triton()
-    channel_sums, normalize = _kernels()
+    channel_sums, normalize, _ = _kernels()
     b, c, t, h, w = x.shape
     frames, pixels, cg = b * t, h * w, c // groups
     block_c = triton.next_power_of_2(c)
@@ -137,8 +154,15 @@ def group_norm_act(
     blocks = triton.cdiv(chunks, iters)
     part = torch.empty((frames, blocks, 2, c), device=x.device, dtype=torch.float32)
     channel_sums[(frames, blocks)](x, part, pixels, c, BLOCK_P=block_p, BLOCK_C=block_c, ITERS=iters)
-    sums = part.sum(1).view(frames, 2, groups, cg).sum(-1)  # (frames, 2, groups)
-    scale, shift = folded_affine(sums[:, 0], sums[:, 1], pixels * cg, c, weight, bias, eps)  # (frames, C)
+    s1, s2 = part.sum(1).unbind(1)  # per channel: (frames, C) each
+    if x_bias is not None:
+        xb = x_bias.float()
+        s2 = s2 + (2.0 * xb) * s1 + pixels * xb * xb
+        s1 = s1 + pixels * xb
+    s1, s2 = (s.view(frames, groups, cg).sum(-1) for s in (s1, s2))  # (frames, groups)
+    scale, shift = folded_affine(s1, s2, pixels * cg, c, weight, bias, eps)  # (frames, C)
+    if x_bias is not None:
+        shift = torch.addcmul(shift, scale, xb)
     scale, shift = scale.contiguous(), shift.contiguous()
     extra = 0 if front is None else front.shape[2]
     y = torch.empty(
@@ -150,3 +174,41 @@ def group_norm_act(
         x, y, scale, shift, pixels, c, t, extra, BLOCK_P=block_p, BLOCK_C=block_c, SILU=silu, num_warps=8
     )
     return y
+
+
+def add_bias(y: Tensor, bias: Tensor, residual: Tensor | None = None) -> Tensor:
+    """``y + bias`` (per channel) ``+ residual``, computed in float32 and written into ``y`` in one pass.
+
+    For a convolution run without its bias (see ``CausalConv3d.forward(bias=False)``): PyTorch adds
+    a convolution's bias as a separate broadcast pass that does not vectorise, and a residual sum is
+    one more pass. ``y`` must be a tensor :func:`applies` to and ``residual`` one of the same shape; a
+    failed kernel (see :func:`call`) falls back to PyTorch ops with the same result.
+    """
+    _, _, add_bias_kernel = _kernels()
+    b = bias.detach().float().contiguous()
+    r = residual
+    if r is not None and (r.shape != y.shape or r.stride() != y.stride()):
+        r = r.contiguous(memory_format=torch.channels_last_3d)
+    n = y.numel()
+    triton = _triton()
+    add_bias_kernel[(triton.cdiv(n, _BIAS_BLOCK),)](
+        y, y if r is None else r, b, n, y.shape[1], RESIDUAL=r is not None, BLOCK=_BIAS_BLOCK
+    )
+    return y
+
+
+def call(fn: Any, *args: Any, **kwargs: Any) -> Tensor | None:
+    """``fn(*args, **kwargs)`` (one of this module's kernels), or None when it fails, e.g. a Triton
+    that cannot compile for this GPU: the kernels are then switched off with one warning and the
+    caller computes the same thing with PyTorch ops. Out-of-memory errors propagate."""
+    global ENABLED
+    try:
+        return fn(*args, **kwargs)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:
+        from pfctl.runtime import logging as pflog
+
+        ENABLED = False
+        pflog.warn(f"fused VAE kernels unavailable ({type(exc).__name__}: {exc}); using PyTorch ops")
+        return None
