@@ -85,7 +85,20 @@ def build_reference(root: Path, pfctl_model, config: dict, device: torch.device,
     missing, unexpected = ref.load_state_dict(pfctl_model.state_dict(), strict=False)
     if missing or unexpected:
         raise SystemExit(f"reference VAE keys differ: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    return ref.to(device=device, dtype=dtype).eval()
+    return ref.to(dtype=dtype).eval()  # kept on the CPU, on the GPU only while it is measured (`resident`)
+
+
+@contextlib.contextmanager
+def resident(model, device: torch.device):
+    """``model`` on ``device`` for the duration, then back on the CPU: each implementation's peak
+    memory counts its own weights only, not the other one's."""
+    model.to(device)
+    try:
+        yield model
+    finally:
+        model.to("cpu")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def measure(fn, device: torch.device, repeats: int) -> tuple[torch.Tensor, float, float | None]:
@@ -244,7 +257,12 @@ def main() -> None:
                 if layout != "contiguous" and out is not None:
                     row["rel_l2_vs_pfctl"] = rel_l2(out, outputs["contiguous"])
         if ref is not None and with_ref:
-            out, sec, peak = measure(reference_fn(ref, work, x, window, tile, device), device, args.repeats)
+            model.to("cpu")
+            with resident(ref, device):
+                out, sec, peak = measure(
+                    reference_fn(ref, work, x, window, tile, device), device, args.repeats
+                )
+            model.to(device)
             base = next((o for o in outputs.values() if o is not None), None)
             results.append(
                 {
@@ -279,10 +297,11 @@ def main() -> None:
                 **top_kernels(pfctl_fn(model, work, x, window, tile)),
             }
             if ref is not None and work == "decode384":
-                profiles[f"reference {work}"] = {
-                    "case": case,
-                    **top_kernels(reference_fn(ref, work, x, window, tile, device)),
-                }
+                with resident(ref, device):
+                    profiles[f"reference {work}"] = {
+                        "case": case,
+                        **top_kernels(reference_fn(ref, work, x, window, tile, device)),
+                    }
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if args.json:
