@@ -110,7 +110,12 @@ def main() -> None:
         "--videos", type=int, default=2, help="videos to time (the first one includes warm-up)"
     )
     parser.add_argument("--decode-window", type=int, default=1)
-    parser.add_argument("--decode-tile", type=int, default=256)
+    parser.add_argument(
+        "--decode-tile",
+        type=lambda v: v if v == "auto" else int(v),
+        default=256,
+        help="pixels, or auto (pfctl's default: untiled when it fits in free memory)",
+    )
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run every DiT call eagerly")
