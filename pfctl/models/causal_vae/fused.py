@@ -1,4 +1,4 @@
-"""Per-frame GroupNorm, optionally followed by SiLU, as two Triton kernels (CUDA, inference).
+"""Per-frame GroupNorm (+ SiLU) as two Triton kernels, and a conv-bias (+ residual) kernel (CUDA, inference).
 
 In the channels-last causal VAE every frame of an activation is one dense (H*W, C) block, so a
 per-frame group norm is: per-channel sums and sums of squares over the block's rows (kernel 1,
@@ -8,11 +8,17 @@ PyTorch needs two reductions, a broadcast multiply-add that does not vectorise a
 SiLU pass for the same work: about twice the memory traffic, and the VAE is bound by it outside
 its convolutions (the profiles in benchmarks/RESULTS.md).
 
+The norm kernels can also normalise ``x + b`` for the bias ``b`` of the conv that produced ``x``
+without it (folded into the sums and the shift), and :func:`add_bias` adds a conv's left-out bias,
+with a residual if given, in one vectorised pass: PyTorch adds a 3-D conv's bias as a broadcast pass
+of its own, which does not vectorise (see ``ResnetBlock`` for where each bias goes).
+
 Used only where :func:`applies` says so (CUDA, channels-last, no autograd, Triton importable, not
 switched off with ``PFCTL_FUSED_NORM=0``); everything else takes the PyTorch path in
-:class:`~pfctl.models.causal_vae.conv.FrameGroupNorm`.
-Results equal that path's up to float32 summation order, except that SiLU sees the float32 value
-instead of a bf16-rounded one (more accurate, within bf16 rounding of the unfused result).
+:class:`~pfctl.models.causal_vae.conv.FrameGroupNorm` and the convs' own bias.
+Results equal that path's up to float32 summation order and bf16 rounding: SiLU sees the float32
+value instead of a bf16-rounded one, and a bias and residual are added before one rounding instead of
+one rounding each (more accurate, within bf16 rounding of the unfused result).
 """
 
 from __future__ import annotations
@@ -187,7 +193,9 @@ def add_bias(y: Tensor, bias: Tensor, residual: Tensor | None = None) -> Tensor:
     _, _, add_bias_kernel = _kernels()
     b = bias.detach().float().contiguous()
     r = residual
-    if r is not None and (r.shape != y.shape or r.stride() != y.stride()):
+    if r is not None and r.shape != y.shape:
+        raise ValueError(f"residual shape {tuple(r.shape)} differs from {tuple(y.shape)}")
+    if r is not None and r.stride() != y.stride():  # read element by element in y's order
         r = r.contiguous(memory_format=torch.channels_last_3d)
     n = y.numel()
     triton = _triton()
