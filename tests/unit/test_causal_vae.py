@@ -293,30 +293,30 @@ print(max((mean_cl - mean).abs().max().item(), (pixels_cl - pixels).abs().max().
 """
 
 
-def test_fused_group_norm_kernels_in_the_triton_interpreter() -> None:
-    """The Triton norm (+ SiLU) kernels the channels-last VAE uses on CUDA, run on CPU by Triton's
-    interpreter against nn.GroupNorm frame by frame (float32: agreement to 1e-5). Odd channel counts,
-    frame sizes that do not fill a block, no affine parameters, and output behind context frames."""
+def _in_triton_interpreter(script: str, timeout: float) -> float:
+    """Run ``script`` in a fresh interpreter with Triton's CPU interpreter on; the last number it prints."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run(
-        [sys.executable, "-c", _FUSED_CHECK], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout
     )
     assert run.returncode == 0, run.stderr[-2000:]
-    assert float(run.stdout.split()[-1]) < 1e-5
+    return float(run.stdout.split()[-1])
+
+
+def test_fused_group_norm_kernels_in_the_triton_interpreter() -> None:
+    """The Triton norm (+ SiLU) and bias kernels the channels-last VAE uses on CUDA, run on CPU by
+    Triton's interpreter against nn.GroupNorm frame by frame (float32: agreement to 1e-5). Odd channel
+    counts, frame sizes that do not fill a block, no affine parameters, output behind context frames, a
+    conv bias folded in, and the bias (+ residual) kernel."""
+    assert _in_triton_interpreter(_FUSED_CHECK, timeout=120) < 1e-5
 
 
 def test_fused_kernels_in_a_channels_last_model_in_the_triton_interpreter() -> None:
     """The whole tiny VAE, channels-last, with the Triton kernels (interpreter, CPU convs made to keep
     the layout as cuDNN does): the convs' biases folded into the next norm, the residual sums and the
     upsamplers' copies give the default path's encode and decode (float32: agreement to 1e-4)."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run(
-        [sys.executable, "-c", _FUSED_MODEL_CHECK], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert float(run.stdout.split()[-1]) < 1e-4
+    assert _in_triton_interpreter(_FUSED_MODEL_CHECK, timeout=300) < 1e-4
 
 
 def test_fused_norm_failure_falls_back_to_pytorch_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -339,6 +339,48 @@ def test_fused_norm_failure_falls_back_to_pytorch_once(monkeypatch: pytest.Monke
         assert fused.ENABLED is False
         expected = torch.cat([front, torch.nn.functional.silu(norm(x))], dim=2)
     assert torch.equal(out, expected)
+
+
+def test_failed_kernels_fall_back_everywhere_in_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the convs leave their biases out for the kernels (next norm, residual sum, plain add), a
+    kernel that fails must not lose or double a bias: with every kernel call failing, the channels-last
+    model (CPU convs made to keep the layout, as cuDNN does) gives the PyTorch path's results."""
+    import torch.nn.functional as F
+
+    from pfctl.models.causal_vae import fused
+    from pfctl.models.causal_vae.conv import is_channels_last
+
+    conv3d = F.conv3d
+    state = {"on": False, "failures": 0}
+
+    def keep_layout(x, *args, **kwargs):
+        y = conv3d(x, *args, **kwargs)
+        return y.contiguous(memory_format=torch.channels_last_3d) if is_channels_last(x) else y
+
+    def broken(*args, **kwargs):
+        state["failures"] += 1
+        raise RuntimeError("no kernel image for this device")
+
+    monkeypatch.setattr(F, "conv3d", keep_layout)
+    monkeypatch.setattr(fused, "applies", lambda x: state["on"] and x.ndim == 5 and is_channels_last(x))
+    monkeypatch.setattr(fused, "group_norm_act", broken)
+    monkeypatch.setattr(fused, "add_bias", broken)
+    monkeypatch.setattr(fused, "ENABLED", True)
+    model = build_tiny_causal_vae()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(p.numel()))
+        video = torch.rand(1, 3, 9, 16, 16, generator=torch.Generator().manual_seed(0)) * 2 - 1
+        mean = model.encode(video, temporal_chunk=True, window_size=8).mean
+        pixels = model.decode(mean, temporal_chunk=True, window_size=1)
+        model.use_channels_last()
+        state["on"] = True
+        mean_cl = model.encode(video, temporal_chunk=True, window_size=8).mean
+        pixels_cl = model.decode(mean, temporal_chunk=True, window_size=1)
+    assert state["failures"] > 0 and fused.ENABLED is False
+    torch.testing.assert_close(mean_cl, mean, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pixels_cl, pixels, rtol=1e-5, atol=1e-5)
 
 
 # ---- training / purity -------------------------------------------------------------------------------
