@@ -139,6 +139,10 @@ class GenerateConfig(Section):
     cuda_graphs: bool = True
     """Replay each stage's DiT forward as a CUDA graph after its first step: the same kernels
     without the launch overhead that dominates the small low-resolution calls (CUDA only)."""
+    attention: Literal["sdpa", "flex"] = "sdpa"
+    """DiT attention: ``sdpa`` (fused kernels with an additive mask) or ``flex`` (FlexAttention with
+    block masks, compiled on CUDA: skips the key blocks the temporal-causal mask hides). Same results
+    within float rounding; ``flex`` is not yet measured against ``sdpa`` (benchmarks/RESULTS.md)."""
 
     @field_validator("num_inference_steps", "video_num_inference_steps")
     @classmethod

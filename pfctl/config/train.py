@@ -154,6 +154,11 @@ class TrainConfig(Section):
     allow_cudnn_attention: bool = False
     """Let SDPA pick cuDNN attention on CUDA. Off by default: it plans per shape, and the pyramid's
     column lengths change every step (measured on an H200: 3.3x slower miniFLUX steps)."""
+    attention: Literal["sdpa", "flex"] = "sdpa"
+    """DiT attention: ``sdpa`` (fused kernels with an additive mask; computes every masked score) or
+    ``flex`` (FlexAttention with block masks: skips the key blocks the temporal-causal mask hides;
+    compiled, CUDA only: FlexAttention has no backward on the CPU). ``flex`` is not yet measured
+    against ``sdpa`` in training (benchmarks/RESULTS.md)."""
 
     # --- checkpoints ----------------------------------------------------------------------------
     checkpoint_every: int = Field(default=1000, ge=1)

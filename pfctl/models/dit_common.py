@@ -13,14 +13,20 @@ interleaved: row ``r = b*K + k`` belongs to column ``k``, item ``b``. Inside the
 Everything that depends only on shapes (token counts, RoPE tables, attention masks) is computed once per
 forward in a :class:`PyramidLayout` and handed to every block, so no block rebuilds them.
 
+Attention runs in one of :data:`ATTENTION_BACKENDS`: ``sdpa`` (PyTorch's fused kernels with an additive
+mask: every masked score is still computed) or ``flex`` (FlexAttention with a block mask: key blocks that
+the mask hides from a query block are skipped; compiled on CUDA, no backward on the CPU).
+
 Numerics follow the reference implementation exactly in float32 (same op order), so the parity vectors match
 to ~1e-7; nothing here reads the environment or touches torch.distributed.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -32,6 +38,9 @@ from torch import nn
 from pfctl.errors import ConfigError, InputError
 
 logger = logging.getLogger(__name__)
+
+#: attention implementations of the DiTs (:meth:`BlockCheckpointing.set_attention_backend`)
+ATTENTION_BACKENDS = ("sdpa", "flex")
 
 ROPE_THETA = 10000
 TIMESTEP_FREQ_DIM = 256
@@ -501,6 +510,54 @@ def build_attention_bias(
     return biases
 
 
+def build_block_masks(
+    text_valid: torch.Tensor, frame_ids: Sequence[torch.Tensor], num_columns: int, temporal_causal: bool
+) -> list[object]:
+    """The masks of :func:`build_attention_bias` as FlexAttention block masks, one per column (same rule:
+    a query sees a key iff both are real tokens or both text padding, and, when ``temporal_causal``, the
+    key's frame is not later than the query's). Query/key blocks the rule hides entirely are skipped by the
+    kernel, fully visible ones are computed without evaluating the rule."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    valid_cols = by_column(text_valid, num_columns)  # [Bc, K, L]
+    bc, text_len = valid_cols.shape[0], valid_cols.shape[2]
+    masks = []
+    for k, frames in enumerate(frame_ids):
+        valid = torch.cat([valid_cols[:, k], valid_cols.new_ones(bc, frames.shape[0])], dim=1)  # [Bc, S]
+        order = torch.cat([frames.new_zeros(text_len), frames])  # [S]
+        size = valid.shape[1]
+        rule = _visibility_rule(valid, order, temporal_causal)
+        masks.append(create_block_mask(rule, bc, None, size, size, device=valid.device))
+    return masks
+
+
+def _visibility_rule(
+    valid: torch.Tensor, order: torch.Tensor, temporal_causal: bool
+) -> Callable[..., torch.Tensor]:
+    """FlexAttention ``mask_mod`` of one column: ``valid [Bc, S]`` real-token flags, ``order [S]`` frames."""
+
+    def rule(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        visible = valid[b, q] == valid[b, kv]
+        return visible & (order[q] >= order[kv]) if temporal_causal else visible
+
+    return rule
+
+
+def build_attention_masks(
+    text_valid: torch.Tensor,
+    frame_ids: Sequence[torch.Tensor],
+    num_columns: int,
+    temporal_causal: bool,
+    dtype: torch.dtype,
+    backend: str,
+) -> list[object]:
+    """Per-column attention masks for ``backend`` (:data:`ATTENTION_BACKENDS`): additive biases for
+    ``sdpa`` (:func:`build_attention_bias`), block masks for ``flex`` (:func:`build_block_masks`)."""
+    if backend == "flex":
+        return build_block_masks(text_valid, frame_ids, num_columns, temporal_causal)
+    return build_attention_bias(text_valid, frame_ids, num_columns, temporal_causal, dtype)
+
+
 def attention_dtype(hidden_states: torch.Tensor) -> torch.dtype:
     """The dtype q/k/v will have in the blocks fed ``hidden_states``: autocast's when it is on, else its own."""
     device_type = hidden_states.device.type
@@ -509,19 +566,43 @@ def attention_dtype(hidden_states: torch.Tensor) -> torch.dtype:
     return hidden_states.dtype
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """SDPA with an explicit additive mask (:func:`build_attention_bias`); ``q, k, v [B, S, H, hd]`` ->
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object) -> torch.Tensor:
+    """Attention under one column's mask from :func:`build_attention_masks`; ``q, k, v [B, S, H, hd]`` ->
     ``[B, Sq, H*hd]``.
 
-    Every attention call of both DiTs goes through here: PyTorch picks a fused kernel that accepts the mask
-    (memory-efficient / cuDNN on GPU, the flash-style CPU kernel), never one that would drop it.
+    Every attention call of both DiTs goes through here. An additive mask goes to SDPA, which picks a fused
+    kernel that accepts it (memory-efficient / cuDNN on GPU, the flash-style CPU kernel), never one that
+    would drop it; a block mask goes to FlexAttention (:func:`flex_attention`).
     """
-    if bias.dtype != q.dtype:  # a layout built for another dtype than the blocks run in
-        bias = bias.to(q.dtype)
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias
-    )  # [B, H, Sq, hd]
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, S, hd]
+    if isinstance(mask, torch.Tensor):
+        if mask.dtype != q.dtype:  # a layout built for another dtype than the blocks run in
+            mask = mask.to(q.dtype)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, Sq, hd]
+    elif torch.compiler.is_compiling():  # inside compiled blocks: traced into their graph as it is
+        from torch.nn.attention.flex_attention import flex_attention as flex
+
+        out = flex(q, k, v, block_mask=mask)
+    else:
+        out = flex_attention(q.device)(q, k, v, block_mask=mask)
     return out.transpose(1, 2).flatten(2)  # [B, Sq, H*hd]
+
+
+@functools.cache
+def flex_attention(device: torch.device) -> Callable[..., torch.Tensor]:
+    """FlexAttention for ``device``: compiled on CUDA (one kernel for every sequence length: dynamic
+    shapes), eager elsewhere (PyTorch's unfused reference implementation: correct, for tests and the CPU)."""
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    if device.type == "cuda":
+        return torch.compile(flex, dynamic=True)
+
+    def eager(*args: object, **kwargs: object) -> torch.Tensor:
+        with warnings.catch_warnings():  # "called without torch.compile": intended off CUDA
+            warnings.simplefilter("ignore", UserWarning)
+            return flex(*args, **kwargs)
+
+    return eager
 
 
 @dataclass
@@ -532,7 +613,7 @@ class PyramidLayout:
     batch: int  # Bc, items per column
     text_len: int  # L
     image_lengths: list[int]  # n_k: image tokens of column k (all clips)
-    attn_bias: list[torch.Tensor]  # per column [Bc, 1, L+n_k, L+n_k] additive (0 / MASKED)
+    attn_masks: list[object]  # per column: [Bc, 1, L+n_k, L+n_k] additive (0 / MASKED), or a flex BlockMask
     rope: RotaryTable | None = None  # for the image tokens [N]
     joint_rope: RotaryTable | None = None  # for the [text_k; image_k] layout (text: identity)
 
@@ -722,7 +803,7 @@ class DualStreamAttention(nn.Module):
             q.split(lengths, 1),
             k.split(lengths, 1),
             v.split(lengths, 1),
-            layout.attn_bias,
+            layout.attn_masks,
             strict=True,
         ):
             out = masked_attention(
@@ -836,9 +917,19 @@ class BlockCheckpointing:
 
     gradient_checkpointing: bool
     gradient_checkpointing_ratio: float
+    #: the attention implementation (:data:`ATTENTION_BACKENDS`); masks are built for it each forward
+    attention_backend: str = "sdpa"
 
     def blocks_in_order(self) -> list[tuple[str, nn.Module]]:  # pragma: no cover - overridden
         raise NotImplementedError
+
+    def set_attention_backend(self, backend: str) -> None:
+        """Run attention with ``backend``: ``sdpa`` (default) or ``flex`` (see :mod:`pfctl.models.dit_common`)."""
+        if backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"unknown attention backend {backend!r}", hint=f"use one of {', '.join(ATTENTION_BACKENDS)}"
+            )
+        self.attention_backend = backend
 
     def compile_blocks(self, backend: str = "inductor") -> None:
         """``torch.compile`` every transformer block in place, with dynamic shapes: one compiled graph per

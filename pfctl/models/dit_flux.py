@@ -38,7 +38,7 @@ from pfctl.models.dit_common import (
     TimestepTextEmbedding,
     apply_rope,
     attention_dtype,
-    build_attention_bias,
+    build_attention_masks,
     by_column,
     check_forward_inputs,
     check_ratio,
@@ -98,9 +98,9 @@ class FluxSingleAttention(nn.Module):
         q, k = apply_rope(q, layout.joint_rope), apply_rope(k, layout.joint_rope)
         lengths = layout.joint_lengths
         outs = [
-            masked_attention(qc, kc, vc, bias)
-            for qc, kc, vc, bias in zip(
-                q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1), layout.attn_bias, strict=True
+            masked_attention(qc, kc, vc, mask)
+            for qc, kc, vc, mask in zip(
+                q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1), layout.attn_masks, strict=True
             )
         ]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
@@ -264,19 +264,20 @@ class PyramidFluxTransformer(BlockCheckpointing, ModelMixin, ConfigMixin):
         positions = torch.cat([self._positions(col, device) for col in grids], dim=0)  # [N, 3]
         cos, sin = rope_tables(positions, self.config.axes_dims_rope)  # 2 x [N, hd/2]
         text_len = encoder_attention_mask.shape[1]
-        attn_bias = build_attention_bias(
+        attn_masks = build_attention_masks(
             encoder_attention_mask != 0,
             [clip_frame_ids(col, device) for col in grids],
             len(grids),
             self.config.use_temporal_causal,
             attn_dtype,
+            self.attention_backend,
         )
         return PyramidLayout(
             len(grids),
             batch,
             text_len,
             image_lengths,
-            attn_bias,
+            attn_masks,
             rope=rotary_table(cos, sin),
             joint_rope=rotary_table(*with_text_identity(cos, sin, image_lengths, text_len)),
         )

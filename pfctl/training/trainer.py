@@ -376,6 +376,11 @@ class Trainer:
             fsdp_plugin=build_fsdp_plugin(cfg, self.config.model.name),
         )
         rt = self.runtime
+        if cfg.attention == "flex" and rt.device.type != "cuda":
+            raise ConfigError(
+                f"train.attention=flex on {rt.device.type}: FlexAttention has no backward pass there",
+                hint="train on a CUDA device, or use train.attention=sdpa",
+            )
         if rt.device.type == "cuda" and not cfg.allow_cudnn_attention:
             torch.backends.cuda.enable_cudnn_sdp(False)  # the memory-efficient kernel takes the same mask
         # 3. data: the cache (format + fingerprint checked), the group's sampler, the loader
@@ -404,6 +409,7 @@ class Trainer:
         #    the cache holds the text embeddings and latents, so no text encoder and no VAE exist here.
         self.model_name, model, self.base_model_path, self.model_info = build_model(self.config)
         check_cache_matches_model(self.cache, model)
+        model.set_attention_backend(cfg.attention)
         self.lora_targets = setup_lora(model, cfg, rt) if cfg.lora.enabled else None
         self.resume_from = ckpt.resolve_resume(cfg.resume, self.out / "checkpoints")
         self.loaded = ckpt.load_checkpoint(self.resume_from, rank=rt.rank) if self.resume_from else None

@@ -131,6 +131,22 @@ def test_seeds_overrides_and_saved_latents(model_dir, components, runtime, tmp_p
     assert frames.shape == (9, 64, 64, 3)
 
 
+def test_flex_attention_generates_the_sdpa_latents(model_dir, components, runtime, tmp_path):
+    """generate.attention=flex (FlexAttention block masks; eager on the CPU) samples the same video as
+    the default SDPA path, up to float rounding."""
+    latents = {}
+    for backend in ("sdpa", "flex"):
+        config = make_config(
+            model_dir, tmp_path / backend, "generate.temp=2", f"generate.attention={backend}"
+        )
+        (video,) = run_generate(
+            config, ["a red circle"], components=components, runtime=runtime, keep_latents=True
+        ).videos
+        latents[backend] = video.latents
+        assert components.dit.attention_backend == backend
+    torch.testing.assert_close(latents["flex"], latents["sdpa"], rtol=1e-4, atol=1e-4)
+
+
 def test_pfctl_export_uses_ema_and_its_declared_resolution(model_dir, runtime, tmp_path):
     from helpers.tiny_models import tiny_dit
     from pfctl.models.checkpoint import save_export

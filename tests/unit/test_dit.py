@@ -357,3 +357,31 @@ def test_input_errors(kind: str) -> None:
     bad["sample"][0][-1] = bad["sample"][0][-1][..., :3]  # odd width
     with pytest.raises(InputError):
         run(model, bad)
+
+
+def long_inputs(seed: int = 3) -> dict:
+    """Like :func:`inputs` with columns of 300+ tokens: several 128-token blocks, so the flex block masks
+    have blocks that are skipped (a history frame's queries vs later frames), fully visible and partial."""
+    args = inputs(seed)
+    gen = torch.Generator().manual_seed(seed)
+
+    def clip(t: int, h: int, w: int) -> torch.Tensor:
+        return torch.randn(2, LATENT_C, t, h, w, generator=gen)
+
+    args["sample"] = [[clip(1, 8, 8), clip(3, 8, 8)], [clip(1, 4, 4), clip(2, 8, 8), clip(3, 8, 8)]]
+    return args
+
+
+@pytest.mark.parametrize("kind", MODELS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_flex_attention_backend_matches_sdpa(kind: str, causal: bool) -> None:
+    """The FlexAttention backend (block masks, eager on the CPU) computes the additive-mask SDPA path's
+    attention: the same outputs (float32, to 1e-5), with text padding and temporal causality."""
+    model = build(kind, use_temporal_causal=causal)
+    args = long_inputs()
+    base = run(model, args)
+    model.set_attention_backend("flex")
+    for got, want in zip(run(model, args), base, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match="attention backend"):
+        model.set_attention_backend("flash")
