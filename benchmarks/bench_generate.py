@@ -119,6 +119,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run every DiT call eagerly")
+    parser.add_argument(
+        "--attention", default="sdpa", choices=["sdpa", "flex"], help="the DiT's attention backend"
+    )
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
 
@@ -161,6 +164,7 @@ def main() -> None:
         f"generate.compile={str(args.compile).lower()}",
         f"generate.offload={str(args.offload).lower()}",
         f"generate.cuda_graphs={str(not args.no_cuda_graphs).lower()}",
+        f"generate.attention={args.attention}",
         "generate.seed=0",
     ]
     config = load_config(None, overrides)

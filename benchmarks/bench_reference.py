@@ -315,6 +315,7 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
 
     # --- pfctl, loading the same folder with its own code
     dit = load_dit_folder(folder / VARIANT, dtype=dtype, device=device).eval()
+    dit.set_attention_backend(args.attention)
     if args.compile and cuda:
         dit.compile_blocks()  # the first timed run pays the compilation; the last one is reported
     vae = load_vae(str(folder / "causal_video_vae"), dtype=dtype, device=device)
@@ -370,7 +371,11 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
         "steps": steps,
         "cfg": cfg,
         "covariance_jitter": COVARIANCE_JITTER,
-        "pfctl_options": {"cuda_graphs": cuda and not args.no_cuda_graphs, "compile": cuda and args.compile},
+        "pfctl_options": {
+            "cuda_graphs": cuda and not args.no_cuda_graphs,
+            "compile": cuda and args.compile,
+            "attention": args.attention,
+        },
         "reference": {
             "sample_s": ref_sample_s,
             "decode_s": ref_decode_s,
@@ -514,6 +519,7 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
 
     # --- pfctl on the recorded inputs
     dit = load_dit_folder(folder / VARIANT, dtype=torch.float32, device=device).train()
+    dit.set_attention_backend(args.attention)
     opt = build_optimizer(dit, TrainConfig(**optimizer_args))
 
     def pfctl_step(i: int) -> float:
@@ -549,7 +555,12 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
         "warmup_steps": warmup,
         "image_tokens_per_step": tokens,
         "reference": {"step_s": ref_s, "losses": [r[0] for r in ref_runs], "peak_gib": ref_peak},
-        "pfctl": {"step_s": pf_s, "losses": [r[0] for r in pf_runs], "peak_gib": pf_peak},
+        "pfctl": {
+            "step_s": pf_s,
+            "losses": [r[0] for r in pf_runs],
+            "peak_gib": pf_peak,
+            "attention": args.attention,
+        },
         "loss_relative_diff": loss_diff,
         "loss_tolerance": tolerance,
         "speedup_step": ref_s / pf_s,
@@ -559,7 +570,7 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
     print(
         f"train side by side — miniFLUX-architecture DiT ({dit_params / 1e6:,.0f}M params), latents "
         f"{result['latents']}, G = {group} (rank 0), fp32 master + {'bf16 autocast' if cuda else 'fp32'}, "
-        f"AdamW, median of {steps - warmup} steps after {warmup} warm-up"
+        f"AdamW, median of {steps - warmup} steps after {warmup} warm-up; pfctl attention {args.attention}"
     )
     print(f"{'':>10} {'step s':>8} {'img tok/s':>10} {'peak GiB':>9} {'first loss':>11}")
     for name, r in (("reference", result["reference"]), ("pfctl", result["pfctl"])):
@@ -599,6 +610,9 @@ def main() -> None:
         help="generate: pfctl's decode tile (auto = its default, none, or pixels); the reference uses 256",
     )
     parser.add_argument("--steps", type=int, default=None, help="train: steps per side (default 6 on CUDA)")
+    parser.add_argument(
+        "--attention", default="sdpa", choices=["sdpa", "flex"], help="pfctl's DiT attention backend"
+    )
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
 
@@ -606,6 +620,8 @@ def main() -> None:
     device = torch.device(
         "cuda" if (args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())) else "cpu"
     )
+    if args.attention == "flex" and device.type != "cuda" and args.work in ("train", "all"):
+        raise SystemExit("--attention flex trains on CUDA only (FlexAttention has no backward on the CPU)")
     result = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,

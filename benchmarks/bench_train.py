@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument(
         "--cudnn-sdpa", action="store_true", help="allow the cuDNN SDPA backend (plans per shape)"
     )
+    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "flex"], help="train.attention")
     args = parser.parse_args()
 
     import torch
@@ -126,6 +127,7 @@ def main() -> None:
             "train.gradient_checkpointing": args.gradient_checkpointing,
             # cuDNN SDPA plans per shape (~4 ms CPU per call with the pyramid's changing lengths)
             "train.allow_cudnn_attention": args.cudnn_sdpa,
+            "train.attention": args.attention,
         }
         config = load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
         trainer = Trainer(config)
@@ -201,6 +203,7 @@ def main() -> None:
         ("precision", "bf16 autocast, fp32 master weights" if cuda else "fp32"),
         ("gradient checkpointing", str(args.gradient_checkpointing)),
         ("cuDNN SDPA backend", "allowed" if args.cudnn_sdpa else "off"),
+        ("attention", args.attention),
         ("steps timed (warmup)", f"{steps} ({warmup})"),
         ("step time median / mean", f"{step_s * 1e3:.1f} ms / {mean_s * 1e3:.1f} ms"),
         ("steps/s", f"{1 / mean_s:.2f}"),
