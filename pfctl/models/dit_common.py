@@ -493,17 +493,10 @@ def build_attention_bias(
     keep. Rows are padded in storage to a multiple of 8 elements, the alignment the memory-efficient CUDA
     kernel needs, which it would otherwise restore by padding a copy per call.
     """
-    valid_cols = by_column(text_valid, num_columns)  # [Bc, K, L]
-    bc, text_len = valid_cols.shape[0], valid_cols.shape[2]
     biases = []
-    for k, frames in enumerate(frame_ids):
-        image_valid = valid_cols.new_ones(bc, frames.shape[0])
-        valid = torch.cat([valid_cols[:, k], image_valid], dim=1)  # [Bc, S]
-        mask = valid[:, :, None] == valid[:, None, :]  # [Bc, S, S]
-        if temporal_causal:
-            order = torch.cat([frames.new_zeros(text_len), frames])  # [S]
-            mask = mask & (order[:, None] >= order[None, :])[None]
-        size = mask.shape[-1]
+    for bc, size, rule in visibility_rules(text_valid, frame_ids, num_columns, temporal_causal):
+        idx = torch.arange(size, device=text_valid.device)
+        mask = rule(torch.arange(bc, device=idx.device)[:, None, None], None, idx[:, None], idx[None, :])
         row = (size + 7) // 8 * 8  # row stride: a multiple of 8 elements
         storage = torch.full((bc, 1, size, row), MASKED, dtype=dtype, device=mask.device)
         biases.append(storage[..., :size].masked_fill_(mask[:, None], 0.0))  # [Bc, 1, S, S]
@@ -513,30 +506,39 @@ def build_attention_bias(
 def build_block_masks(
     text_valid: torch.Tensor, frame_ids: Sequence[torch.Tensor], num_columns: int, temporal_causal: bool
 ) -> list[object]:
-    """The masks of :func:`build_attention_bias` as FlexAttention block masks, one per column (same rule:
-    a query sees a key iff both are real tokens or both text padding, and, when ``temporal_causal``, the
-    key's frame is not later than the query's). Query/key blocks the rule hides entirely are skipped by the
-    kernel, fully visible ones are computed without evaluating the rule."""
+    """The masks of :func:`build_attention_bias` as FlexAttention block masks, one per column (the same
+    :func:`visibility_rules`). Query/key blocks the rule hides entirely are skipped by the kernel, fully
+    visible ones are computed without evaluating the rule."""
     from torch.nn.attention.flex_attention import create_block_mask
 
+    return [
+        create_block_mask(rule, bc, None, size, size, device=text_valid.device)
+        for bc, size, rule in visibility_rules(text_valid, frame_ids, num_columns, temporal_causal)
+    ]
+
+
+def visibility_rules(
+    text_valid: torch.Tensor, frame_ids: Sequence[torch.Tensor], num_columns: int, temporal_causal: bool
+) -> list[tuple[int, int, Callable[..., torch.Tensor]]]:
+    """Per column ``(Bc, S, rule)``: ``rule(b, h, q, kv)`` (FlexAttention's ``mask_mod`` signature; any
+    broadcastable index tensors) says whether query ``q`` of item ``b`` may attend key ``kv`` of the column's
+    ``S = L + n_k`` tokens. The one definition of visibility that both attention backends' masks use."""
     valid_cols = by_column(text_valid, num_columns)  # [Bc, K, L]
     bc, text_len = valid_cols.shape[0], valid_cols.shape[2]
-    masks = []
+    rules = []
     for k, frames in enumerate(frame_ids):
         valid = torch.cat([valid_cols[:, k], valid_cols.new_ones(bc, frames.shape[0])], dim=1)  # [Bc, S]
-        order = torch.cat([frames.new_zeros(text_len), frames])  # [S]
-        size = valid.shape[1]
-        rule = _visibility_rule(valid, order, temporal_causal)
-        masks.append(create_block_mask(rule, bc, None, size, size, device=valid.device))
-    return masks
+        order = torch.cat([frames.new_zeros(text_len), frames])  # [S]: text is frame 0
+        rules.append((bc, valid.shape[1], _visibility_rule(valid, order, temporal_causal)))
+    return rules
 
 
 def _visibility_rule(
     valid: torch.Tensor, order: torch.Tensor, temporal_causal: bool
 ) -> Callable[..., torch.Tensor]:
-    """FlexAttention ``mask_mod`` of one column: ``valid [Bc, S]`` real-token flags, ``order [S]`` frames."""
+    """The rule of one column: ``valid [Bc, S]`` real-token flags, ``order [S]`` frame of each token."""
 
-    def rule(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    def rule(b: torch.Tensor, h: torch.Tensor | None, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         visible = valid[b, q] == valid[b, kv]
         return visible & (order[q] >= order[kv]) if temporal_causal else visible
 
