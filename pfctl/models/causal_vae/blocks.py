@@ -101,6 +101,21 @@ class TemporalDownsample(nn.Module):
         return self.conv(x, cache)
 
 
+def _conv_before_rearrange(
+    conv: CausalConv3d, x: Tensor, cache: FrameCache | None
+) -> tuple[Tensor, Tensor | None]:
+    """An upsampler's conv output and the bias still to add to it. A channels-last input leaves the bias
+    to the rearranging copy (:func:`_copy_with_bias`); if the conv did not keep that layout (the CPU's do
+    not), the bias is added here and None returned, as for any other input."""
+    if not is_channels_last(x):
+        return conv(x, cache), None
+    y = conv(x, cache, bias=False)
+    bias = conv.conv.bias
+    if bias is not None and not is_channels_last(y):
+        return y + bias.view(-1, 1, 1, 1), None
+    return y, bias
+
+
 def _copy_with_bias(src: Tensor, bias: Tensor | None) -> Tensor:
     """A contiguous copy of the (permuted) view ``src`` with ``bias`` broadcast-added on the way: the
     bias add a conv would make as a pass of its own happens in the copy the upsamplers need anyway."""
@@ -119,20 +134,16 @@ class SpatialUpsample(nn.Module):
         self.conv = CausalConv3d(channels, channels * 4, 3)
 
     def forward(self, x: Tensor, cache: FrameCache | None = None) -> Tensor:
-        channels_last = is_channels_last(x)  # then the bias is added in the depth-to-space copy
-        y = self.conv(x, cache, bias=not channels_last)
+        y, bias = _conv_before_rearrange(self.conv, x, cache)
         b, c4, t, h, w = y.shape
         c = c4 // 4
         # channel index = c*4 + p1*2 + p2  ->  pixel (2h + p1, 2w + p2)
-        bias = self.conv.conv.bias if channels_last else None
         if is_channels_last(y):  # one pass from (b, t, h, w, c, p1, p2) to (b, t, h, p1, w, p2, c) storage
             src = y.permute(0, 2, 3, 4, 1).reshape(b, t, h, w, c, 2, 2).permute(0, 1, 2, 5, 3, 6, 4)
             if bias is not None:
                 bias = bias.view(c, 2, 2).permute(1, 2, 0).unsqueeze(1)  # (p1, 1, p2, c)
             m = _copy_with_bias(src, bias)
             return m.view(b, t, h * 2, w * 2, c).permute(0, 4, 1, 2, 3)
-        if bias is not None:  # a conv that did not keep the layout (the CPU's)
-            y = y + bias.view(-1, 1, 1, 1)
         y = y.reshape(b, c, 2, 2, t, h, w).permute(0, 1, 4, 5, 2, 6, 3)
         return y.reshape(b, c, t, h * 2, w * 2)
 
@@ -150,19 +161,15 @@ class TemporalUpsample(nn.Module):
         self.conv = CausalConv3d(channels, channels * 2, 3)
 
     def forward(self, x: Tensor, cache: FrameCache | None = None) -> Tensor:
-        channels_last = is_channels_last(x)  # then the bias is added in the depth-to-time copy
-        y = self.conv(x, cache, bias=not channels_last)
+        y, bias = _conv_before_rearrange(self.conv, x, cache)
         b, c2, t, h, w = y.shape
         c = c2 // 2
         # channel index = c*2 + p  ->  frame 2t + p
-        bias = self.conv.conv.bias if channels_last else None
         if is_channels_last(y):  # one pass from (b, t, h, w, c, p) to (b, t, p, h, w, c) storage
             src = y.permute(0, 2, 3, 4, 1).reshape(b, t, h, w, c, 2).permute(0, 1, 5, 2, 3, 4)
             bias = None if bias is None else bias.view(c, 2).t()[:, None, None, :]  # (p, 1, 1, c)
             y = _copy_with_bias(src, bias).view(b, t * 2, h, w, c).permute(0, 4, 1, 2, 3)
         else:
-            if bias is not None:  # a conv that did not keep the layout (the CPU's)
-                y = y + bias.view(-1, 1, 1, 1)
             y = y.reshape(b, c, 2, t, h, w).permute(0, 1, 3, 2, 4, 5).reshape(b, c, t * 2, h, w)
         if cache is None or cache.first_chunk:
             y = y[:, :, 1:]
