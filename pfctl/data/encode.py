@@ -526,8 +526,9 @@ class _Encoder:
             job.ready.record()
         return job
 
-    def clip_failed(self, item: Item, clip_id: str, reason: str, detail: str) -> int:
-        """Record one clip's failure (it is not written); return 1, the failure count it adds."""
+    def clip_failed(self, item: Item, clip_id: str | None, reason: str, detail: str) -> int:
+        """Record one clip's failure (it is not written; None: all clips of the item); return 1, the
+        failure count it adds."""
         self.failures.append(_failure_row(item, MediaError(reason, detail), self.rank, clip_id))
         return 1
 
@@ -596,8 +597,7 @@ class _Encoder:
         except PfctlError:
             raise
         except Exception as exc:
-            self.failures.append(_failure_row(item, MediaError("encode_error", f"text: {exc}"), self.rank))
-            return 1
+            return self.clip_failed(item, None, "encode_error", f"text: {exc}")
         failed = 0
         for plan, frames in zip(decoded.plans, decoded.frames, strict=True):
             try:
