@@ -444,8 +444,9 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
     frames = args.temp or (16 if cuda else 4)
     group = 8 if cuda else 2
     latent_h, latent_w = (48, 80) if cuda else (8, 8)
-    steps = args.steps or (6 if cuda else 3)
-    warmup = min(2, steps - 1) if cuda else 1
+    compiled = cuda and any(v.endswith("+compile") for v in args.train_variants)
+    steps = args.steps or (8 if compiled else 6 if cuda else 3)
+    warmup = min(3 if compiled else 2, steps - 1) if cuda else 1  # compiled: the first steps compile
     folder, dit_params, text = prepare_checkpoint(device, torch.float32, None)
     positive, negative = text.encode([PROMPT] * 4), text.encode([""])
     gen = torch.Generator().manual_seed(0)
@@ -517,36 +518,54 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
     if cuda:
         torch.cuda.empty_cache()
 
-    # --- pfctl on the recorded inputs
-    dit = load_dit_folder(folder / VARIANT, dtype=torch.float32, device=device).train()
-    dit.set_attention_backend(args.attention)
-    opt = build_optimizer(dit, TrainConfig(**optimizer_args))
-
-    def pfctl_step(i: int) -> float:
-        with autocast(device):
-            preds = dit(**inputs[i])
-            loss = flow_matching_loss(preds, targets[i]).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(dit.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    pf_runs = [_timed(lambda i=i: pfctl_step(i), device) for i in range(steps)]
-    pf_peak = max((r[2] or 0.0) for r in pf_runs) if cuda else None
-
+    # --- pfctl on the recorded inputs, once per variant (attention backend, compiled blocks or not)
     def image_tokens(sample: torch.Tensor | list) -> int:  # patch 2: (H/2)(W/2) tokens per frame
         if isinstance(sample, list):
             return sum(image_tokens(x) for x in sample)
         return sample.shape[0] * sample.shape[2] * (sample.shape[3] // 2) * (sample.shape[4] // 2)
 
     tokens = [image_tokens(r["sample"]) for r in inputs]
-    loss_diff = [abs(a[0] - b[0]) / max(abs(a[0]), 1e-12) for a, b in zip(ref_runs, pf_runs, strict=True)]
     tolerance = TOLERANCE[device.type]
     timed = slice(warmup, None)
     ref_s = statistics.median(r[1] for r in ref_runs[timed])
-    pf_s = statistics.median(r[1] for r in pf_runs[timed])
     mean_tokens = statistics.mean(tokens[timed])
+    variants = {}
+    for variant in args.train_variants:
+        attention, compiled = variant.split("+")[0], variant.endswith("+compile") and cuda
+        dit = load_dit_folder(folder / VARIANT, dtype=torch.float32, device=device).train()
+        dit.set_attention_backend(attention)
+        if compiled:
+            torch._dynamo.reset()
+            dit.compile_blocks()
+        opt = build_optimizer(dit, TrainConfig(**optimizer_args))
+
+        def pfctl_step(i: int, dit=dit, opt=opt) -> float:
+            with autocast(device):
+                preds = dit(**inputs[i])
+                loss = flow_matching_loss(preds, targets[i]).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(dit.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return float(loss.detach())
+
+        runs = [_timed(lambda i=i: pfctl_step(i), device) for i in range(len(inputs))]
+        diff = [abs(a[0] - b[0]) / max(abs(a[0]), 1e-12) for a, b in zip(ref_runs, runs, strict=True)]
+        step_s = statistics.median(r[1] for r in runs[timed])
+        variants[variant] = {
+            "step_s": step_s,
+            "losses": [r[0] for r in runs],
+            "peak_gib": max((r[2] or 0.0) for r in runs) if cuda else None,
+            "attention": attention,
+            "compile": compiled,
+            "first_step_s": runs[0][1],
+            "loss_relative_diff": diff,
+            "speedup_step": ref_s / step_s,
+            "agrees": diff[0] <= tolerance,
+        }
+        dit = opt = None
+        if cuda:
+            torch.cuda.empty_cache()
     result = {
         "dit_params": dit_params,
         "latents": [4, 16, frames, latent_h, latent_w],
@@ -555,35 +574,30 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
         "warmup_steps": warmup,
         "image_tokens_per_step": tokens,
         "reference": {"step_s": ref_s, "losses": [r[0] for r in ref_runs], "peak_gib": ref_peak},
-        "pfctl": {
-            "step_s": pf_s,
-            "losses": [r[0] for r in pf_runs],
-            "peak_gib": pf_peak,
-            "attention": args.attention,
-        },
-        "loss_relative_diff": loss_diff,
+        "pfctl": variants,
         "loss_tolerance": tolerance,
-        "speedup_step": ref_s / pf_s,
-        "agrees": loss_diff[0] <= tolerance,
+        "agrees": all(v["agrees"] for v in variants.values()),
     }
     print()
     print(
         f"train side by side — miniFLUX-architecture DiT ({dit_params / 1e6:,.0f}M params), latents "
         f"{result['latents']}, G = {group} (rank 0), fp32 master + {'bf16 autocast' if cuda else 'fp32'}, "
-        f"AdamW, median of {steps - warmup} steps after {warmup} warm-up; pfctl attention {args.attention}"
+        f"AdamW, median of {steps - warmup} steps after {warmup} warm-up"
     )
-    print(f"{'':>10} {'step s':>8} {'img tok/s':>10} {'peak GiB':>9} {'first loss':>11}")
-    for name, r in (("reference", result["reference"]), ("pfctl", result["pfctl"])):
-        print(
-            f"{name:>10} {r['step_s']:>8.3f} {mean_tokens / r['step_s']:>10.0f} {gib(r['peak_gib']):>9} "
-            f"{r['losses'][0]:>11.5f}"
-        )
-    print(f"{'ratio':>10} {result['speedup_step']:>7.2f}x   (reference / pfctl)")
-    same = "yes" if result["agrees"] else "NO"
     print(
-        f"same inputs → first-step loss rel. diff {loss_diff[0]:.1e} (tolerance {tolerance:.0e}): {same}; "
-        f"max over {steps} steps {max(loss_diff):.1e}"
+        f"{'':>18} {'step s':>8} {'img tok/s':>10} {'peak GiB':>9} {'first loss':>11} {'ratio':>7} {'rel. diff':>9}"
     )
+    rows = [("reference", result["reference"])] + [(f"pfctl {k}", v) for k, v in variants.items()]
+    for name, r in rows:
+        extra = (
+            f" {r['speedup_step']:>6.2f}x {r['loss_relative_diff'][0]:>9.1e}" if "speedup_step" in r else ""
+        )
+        print(
+            f"{name:>18} {r['step_s']:>8.3f} {mean_tokens / r['step_s']:>10.0f} {gib(r['peak_gib']):>9} "
+            f"{r['losses'][0]:>11.5f}{extra}"
+        )
+    same = "yes" if result["agrees"] else "NO"
+    print(f"ratio = reference / pfctl step; first-step loss rel. diff tolerance {tolerance:.0e}: {same}")
     return result
 
 
@@ -602,7 +616,7 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=2, help="generate: runs per side, the last one timed")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="generate: pfctl without CUDA graphs")
-    parser.add_argument("--compile", action="store_true", help="generate: pfctl with compiled DiT blocks")
+    parser.add_argument("--compile", action="store_true", help="pfctl with compiled DiT blocks")
     parser.add_argument(
         "--decode-tile",
         type=lambda v: v if v == "auto" else None if v == "none" else int(v),
@@ -613,14 +627,29 @@ def main() -> None:
     parser.add_argument(
         "--attention", default="sdpa", choices=["sdpa", "flex"], help="pfctl's DiT attention backend"
     )
+    parser.add_argument(
+        "--train-variants",
+        type=lambda v: v.split(","),
+        default=None,
+        help="train: pfctl variants timed against one reference run, e.g. sdpa,flex,sdpa+compile,flex+compile "
+        "(default: --attention, +compile with --compile)",
+    )
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
+    if args.train_variants is None:
+        args.train_variants = [args.attention + ("+compile" if args.compile else "")]
+    unknown = set(args.train_variants) - {"sdpa", "flex", "sdpa+compile", "flex+compile"}
+    if unknown:
+        parser.error(
+            f"--train-variants: unknown {sorted(unknown)} (use sdpa, flex, sdpa+compile, flex+compile)"
+        )
 
     Reference, stubbed = import_reference(args.reference.resolve())
     device = torch.device(
         "cuda" if (args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())) else "cpu"
     )
-    if args.attention == "flex" and device.type != "cuda" and args.work in ("train", "all"):
+    flex_train = any(v.startswith("flex") for v in args.train_variants)
+    if flex_train and device.type != "cuda" and args.work in ("train", "all"):
         raise SystemExit("--attention flex trains on CUDA only (FlexAttention has no backward on the CPU)")
     result = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

@@ -89,6 +89,7 @@ def main() -> None:
         "--cudnn-sdpa", action="store_true", help="allow the cuDNN SDPA backend (plans per shape)"
     )
     parser.add_argument("--attention", default="sdpa", choices=["sdpa", "flex"], help="train.attention")
+    parser.add_argument("--compile", action="store_true", help="train.compile (compiled DiT blocks)")
     args = parser.parse_args()
 
     import torch
@@ -128,6 +129,7 @@ def main() -> None:
             # cuDNN SDPA plans per shape (~4 ms CPU per call with the pyramid's changing lengths)
             "train.allow_cudnn_attention": args.cudnn_sdpa,
             "train.attention": args.attention,
+            "train.compile": args.compile,
         }
         config = load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
         trainer = Trainer(config)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite in one call (2x H200: single-GPU benchmarks on GPU 0, then the
 # 2-process sync-group run and the FSDP tests on both). Results: $OUT (or ./bench-out).
-# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainflex,refgenflex,gen768,gen768flex]
+# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenflex,gen768,gen768flex]
 # (LAYOUTS=channels_last_unfused,channels_last picks the VAE layouts the vae steps time)
 # (reference: needs a Pyramid-Flow checkout in third_party/Pyramid-Flow and einops; not in the default list)
 set -uo pipefail
@@ -43,9 +43,9 @@ case ",$STEPS," in *,refgen,*)
   echo "=== generate 5 s 384p side by side with the reference, compiled blocks (GPU $GPU)"
   CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py generate --compile --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_compile.json" 2>&1 | tail -8;;
 esac
-case ",$STEPS," in *,trainflex,*)
-  echo "=== train step side by side with the reference, pfctl with FlexAttention (GPU $GPU)"
-  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py train --attention flex --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_train_flex.json" 2>&1 | tail -8;;
+case ",$STEPS," in *,trainvariants,*)
+  echo "=== train step side by side with the reference: pfctl with SDPA / FlexAttention, eager / compiled blocks (GPU $GPU)"
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py train --train-variants sdpa,flex,sdpa+compile,flex+compile --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_train_variants.json" 2>&1 | tail -10;;
 esac
 case ",$STEPS," in *,refgenflex,*)
   echo "=== generate 5 s 384p side by side with the reference, compiled blocks + FlexAttention (GPU $GPU)"

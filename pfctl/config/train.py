@@ -159,6 +159,10 @@ class TrainConfig(Section):
     ``flex`` (FlexAttention with block masks: skips the key blocks the temporal-causal mask hides;
     compiled, CUDA only: FlexAttention has no backward on the CPU). ``flex`` is not yet measured
     against ``sdpa`` in training (benchmarks/RESULTS.md)."""
+    compile: bool = False
+    """``torch.compile`` each DiT block (dynamic shapes, CUDA only; ignored on the CPU): fuses the
+    norms, RoPE, modulation and residuals around the matmuls, forward and backward. The first steps pay
+    the compilation (about a minute per block type); the weights and checkpoint keys are unchanged."""
 
     # --- checkpoints ----------------------------------------------------------------------------
     checkpoint_every: int = Field(default=1000, ge=1)

@@ -411,6 +411,11 @@ class Trainer:
         check_cache_matches_model(self.cache, model)
         model.set_attention_backend(cfg.attention)
         self.lora_targets = setup_lora(model, cfg, rt) if cfg.lora.enabled else None
+        if cfg.compile:  # after LoRA: the compiled graphs then include the adapters
+            if rt.device.type == "cuda":
+                model.compile_blocks()
+            else:
+                pflog.log("train.compile is ignored on the CPU")
         self.resume_from = ckpt.resolve_resume(cfg.resume, self.out / "checkpoints")
         self.loaded = ckpt.load_checkpoint(self.resume_from, rank=rt.rank) if self.resume_from else None
         if self.loaded is not None:

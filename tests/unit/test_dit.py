@@ -292,6 +292,29 @@ def test_gradient_checkpointing_recomputes_exactly_those_blocks_and_matches(kind
         torch.testing.assert_close(results[1][1][name], grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
+@pytest.mark.slow
+def test_compiled_blocks_train_like_eager_blocks() -> None:
+    """``train.compile``: compiled blocks (traced with ``aot_eager``: dynamo capture and AOT autograd's
+    backward without code generation) give the eager forward and gradients, checkpointed blocks included.
+    Flux only: it has both block types (the MMDiT's are Flux's double-stream kind); ~35 s of tracing."""
+    args, kind = inputs(), "flux"
+    eager = build(kind, gradient_checkpointing_ratio=0.5, use_gradient_checkpointing=True).train()
+    compiled = build(kind, gradient_checkpointing_ratio=0.5, use_gradient_checkpointing=True).train()
+    torch._dynamo.reset()
+    compiled.compile_blocks(backend="aot_eager")
+    results = []
+    for model in (eager, compiled):
+        outs = model(**clone_args(args))
+        sum(o.square().mean() for o in outs).backward()
+        results.append((outs, {n: p.grad for n, p in model.named_parameters()}))
+    torch._dynamo.reset()
+    for a, b in zip(results[0][0], results[1][0], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert results[1][1].keys() == results[0][1].keys()
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_diffusers_enable_gradient_checkpointing_uses_the_same_rule() -> None:
     model = build("flux", gradient_checkpointing_ratio=1.0).train()
     model.enable_gradient_checkpointing()
