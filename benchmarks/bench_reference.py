@@ -14,8 +14,10 @@ CLIP-L 768) stand in for the text encoders on both sides.
   optimizer on exactly those inputs from the same starting weights, so the losses must agree.
   pfctl's timed step is therefore DiT + loss + backward + optimizer; its own batch building and
   noising are timed with the whole trainer by ``bench_train.py``. Both optimizers are AdamW with
-  norms and biases exempt from weight decay (the reference's ``create_optimizer``). The cuDNN
-  attention backend is off for both (pfctl's training default: it re-plans for every new shape).
+  norms and biases exempt from weight decay (the reference's ``create_optimizer``). The reference
+  runs its masked attention on PyTorch's default kernel; pfctl on the one each variant names
+  (``--train-variants``: ``sdpa`` = the same default, ``cudnn``; ``+compile``: compiled blocks), all
+  timed against one reference run.
 
 The reference is not part of pfctl: clone jy0205/Pyramid-Flow into a git-ignored folder (default
 ``third_party/Pyramid-Flow``) and install ``einops`` (its dependency). To run it on current
@@ -309,6 +311,7 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
     ref_frames, ref_decode_s, ref_decode_peak = [
         _timed(lambda: decode_reference(ref_latents), device) for _ in range(args.repeats)
     ][-1]
+    print(f"reference: sampling {ref_sample_s:.2f} s, decode {ref_decode_s:.2f} s")
     ref.dit = ref.vae = None  # free the reference's weights before pfctl loads its own
     if cuda:
         torch.cuda.empty_cache()
@@ -342,6 +345,7 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
         for _ in range(args.repeats)
     ]
     _, pf_sample_s, pf_sample_peak = pf_runs[-1]
+    print(f"pfctl: sampling {', '.join(f'{r[1]:.2f}' for r in pf_runs)} s")
     replayed = run_pfctl(initial_noise=record["initial"], block_noises=record["blocks"])
     pf_tile = resolve_decode_tile(
         args.decode_tile, height=height, width=width, window=1, dtype=dtype, available=free_memory(device)
@@ -439,8 +443,6 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
     from pfctl.training.optim import build_optimizer
 
     cuda = device.type == "cuda"
-    if cuda:  # pfctl's trainer default (train.allow_cudnn_attention=false), applied to both sides alike
-        torch.backends.cuda.enable_cudnn_sdp(False)
     frames = args.temp or (16 if cuda else 4)
     group = 8 if cuda else 2
     latent_h, latent_w = (48, 80) if cuda else (8, 8)
@@ -513,6 +515,7 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
         return float(loss.detach())
 
     ref_runs = [_timed(ref_step, device) for _ in range(steps)]
+    print(f"reference: {steps} steps, median step {statistics.median(r[1] for r in ref_runs[warmup:]):.3f} s")
     ref_peak = max((r[2] or 0.0) for r in ref_runs) if cuda else None
     ref.dit = ref_opt = None
     if cuda:
@@ -563,6 +566,9 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
             "speedup_step": ref_s / step_s,
             "agrees": diff[0] <= tolerance,
         }
+        print(
+            f"pfctl {variant}: step {step_s:.3f} s (first {runs[0][1]:.1f} s), loss rel. diff {diff[0]:.1e}"
+        )
         dit = opt = None
         if cuda:
             torch.cuda.empty_cache()
@@ -625,32 +631,28 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=None, help="train: steps per side (default 6 on CUDA)")
     parser.add_argument(
-        "--attention", default="sdpa", choices=["sdpa", "flex"], help="pfctl's DiT attention backend"
+        "--attention", default="sdpa", choices=["sdpa", "cudnn"], help="pfctl's DiT attention backend"
     )
     parser.add_argument(
         "--train-variants",
         type=lambda v: v.split(","),
         default=None,
-        help="train: pfctl variants timed against one reference run, e.g. sdpa,flex,sdpa+compile,flex+compile "
+        help="train: pfctl variants timed against one reference run: sdpa or cudnn (train.attention), each "
+        "optionally +compile, e.g. sdpa,sdpa+compile,cudnn+compile "
         "(default: --attention, +compile with --compile)",
     )
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
     if args.train_variants is None:
         args.train_variants = [args.attention + ("+compile" if args.compile else "")]
-    unknown = set(args.train_variants) - {"sdpa", "flex", "sdpa+compile", "flex+compile"}
+    unknown = {v for v in args.train_variants if v.removesuffix("+compile") not in ("sdpa", "cudnn")}
     if unknown:
-        parser.error(
-            f"--train-variants: unknown {sorted(unknown)} (use sdpa, flex, sdpa+compile, flex+compile)"
-        )
+        parser.error(f"--train-variants: unknown {sorted(unknown)} (sdpa or cudnn, optionally +compile)")
 
     Reference, stubbed = import_reference(args.reference.resolve())
     device = torch.device(
         "cuda" if (args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())) else "cpu"
     )
-    flex_train = any(v.startswith("flex") for v in args.train_variants)
-    if flex_train and device.type != "cuda" and args.work in ("train", "all"):
-        raise SystemExit("--attention flex trains on CUDA only (FlexAttention has no backward on the CPU)")
     result = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite in one call (2x H200: single-GPU benchmarks on GPU 0, then the
 # 2-process sync-group run and the FSDP tests on both). Results: $OUT (or ./bench-out).
-# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenflex,gen768,gen768flex]
+# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgencudnn,gen768,gen768cudnn,attention]
 # (LAYOUTS=channels_last_unfused,channels_last picks the VAE layouts the vae steps time)
+# (TRAIN_VARIANTS=sdpa,cudnn+compile picks the pfctl variants the trainvariants step times)
 # (reference: needs a Pyramid-Flow checkout in third_party/Pyramid-Flow and einops; not in the default list)
 set -uo pipefail
 OUT="${OUT:-bench-out}"; mkdir -p "$OUT"
@@ -12,65 +13,69 @@ GPU="${GPU:-0}"  # the GPU of the single-GPU steps (two suites can run side by s
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpus.txt"
 python -c "import torch, diffusers; print('torch', torch.__version__, 'diffusers', diffusers.__version__)" | tee -a "$OUT/gpus.txt"
 case ",$STEPS," in *,gputests,*)
-  echo "=== CUDA-only tests"; CUDA_VISIBLE_DEVICES=$GPU python -m pytest -q -p no:cacheprovider tests/unit/test_fast_paths.py 2>&1 | tail -25;;
+  echo "=== CUDA-only tests"; CUDA_VISIBLE_DEVICES=$GPU python -m pytest -q -p no:cacheprovider tests/unit/test_fast_paths.py 2>&1 | tee -a "$OUT/suite.log" | tail -25;;
 esac
 case ",$STEPS," in *,verify,*)
-  echo "=== verify"; CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_verify.py --device cuda --repeats 2 --json "$OUT/verify.json" 2>&1 | grep -v "kept in float32" | tail -8;;
+  echo "=== verify"; CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_verify.py --device cuda --repeats 2 --json "$OUT/verify.json" 2>&1 | tee -a "$OUT/suite.log" | grep -v "kept in float32" | tail -8;;
 esac
 case ",$STEPS," in *,train_ckpt,*)
-  echo "=== train (gradient checkpointing)"; CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --device cuda --gradient-checkpointing --json "$OUT/train_ckpt.json" 2>&1 | tail -18;;
+  echo "=== train (gradient checkpointing)"; CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --device cuda --gradient-checkpointing --json "$OUT/train_ckpt.json" 2>&1 | tee -a "$OUT/suite.log" | tail -18;;
 esac
 case ",$STEPS," in *,sync,*)
-  echo "=== sync group (2 GPUs, G=2, miniFLUX 384p)"; python benchmarks/bench_sync_group.py --nproc 2 --group 2 --preset miniflux --json "$OUT/sync.json" 2>&1 | tail -14;;
+  echo "=== sync group (2 GPUs, G=2, miniFLUX 384p)"; python benchmarks/bench_sync_group.py --nproc 2 --group 2 --preset miniflux --json "$OUT/sync.json" 2>&1 | tee -a "$OUT/suite.log" | tail -14;;
 esac
 case ",$STEPS," in *,fsdp,*)
-  echo "=== FSDP tests (2 GPUs)"; python -m pytest -q -p no:cacheprovider tests/integration/test_train_fsdp.py 2>&1 | tail -6;;
+  echo "=== FSDP tests (2 GPUs)"; python -m pytest -q -p no:cacheprovider tests/integration/test_train_fsdp.py 2>&1 | tee -a "$OUT/suite.log" | tail -6;;
 esac
 case ",$STEPS," in *,generate,*)
   echo "=== generate 5 s 384p (GPU 0): CUDA graphs, then + compiled blocks"
-  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_generate.py --device cuda --json "$OUT/generate.json" 2>&1 | tail -3
-  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_generate.py --device cuda --compile --videos 3 --json "$OUT/generate_compile.json" 2>&1 | tail -3;;
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_generate.py --device cuda --json "$OUT/generate.json" 2>&1 | tee -a "$OUT/suite.log" | tail -3
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_generate.py --device cuda --compile --videos 3 --json "$OUT/generate_compile.json" 2>&1 | tee -a "$OUT/suite.log" | tail -3;;
 esac
 case ",$STEPS," in *,lora,*)
-  echo "=== LoRA memory levers (GPU 0)"; CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_lora.py --json "$OUT/lora.json" 2>&1 | tail -10;;
+  echo "=== LoRA memory levers (GPU 0)"; CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_lora.py --json "$OUT/lora.json" 2>&1 | tee -a "$OUT/suite.log" | tail -10;;
 esac
 case ",$STEPS," in *,reference,*)
   echo "=== side by side with the reference (GPU 0, miniFLUX 384p: generate 5 s, train step; then generate with compiled blocks)"
-  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py all --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference.json" 2>&1 | tail -16
-  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py generate --compile --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_compile.json" 2>&1 | tail -6;;
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py all --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference.json" 2>&1 | tee -a "$OUT/suite.log" | tail -16
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py generate --compile --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_compile.json" 2>&1 | tee -a "$OUT/suite.log" | tail -6;;
 esac
 case ",$STEPS," in *,refgen,*)
   echo "=== generate 5 s 384p side by side with the reference, compiled blocks (GPU $GPU)"
-  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py generate --compile --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_compile.json" 2>&1 | tail -8;;
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py generate --compile --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_compile.json" 2>&1 | tee -a "$OUT/suite.log" | tail -8;;
 esac
 case ",$STEPS," in *,trainvariants,*)
-  echo "=== train step side by side with the reference: pfctl with SDPA / FlexAttention, eager / compiled blocks (GPU $GPU)"
-  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py train --train-variants sdpa,flex,sdpa+compile,flex+compile --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_train_variants.json" 2>&1 | tail -10;;
+  echo "=== train step side by side with the reference: pfctl with the default / cuDNN attention kernel, eager / compiled blocks (GPU $GPU)"
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py train --train-variants "${TRAIN_VARIANTS:-sdpa,cudnn,sdpa+compile,cudnn+compile}" --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_train_variants.json" 2>&1 | tee -a "$OUT/suite.log" | tail -10;;
 esac
-case ",$STEPS," in *,refgenflex,*)
-  echo "=== generate 5 s 384p side by side with the reference, compiled blocks + FlexAttention (GPU $GPU)"
-  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py generate --compile --attention flex --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_compile_flex.json" 2>&1 | tail -8;;
+case ",$STEPS," in *,attention,*)
+  echo "=== masked attention kernels on the DiT's masks (GPU $GPU)"
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_attention.py --device cuda --json "$OUT/attention.json" 2>&1 | tee -a "$OUT/suite.log" | tail -12;;
 esac
-for att in sdpa flex; do
-  step=gen768; [ $att = flex ] && step=gen768flex
+case ",$STEPS," in *,refgencudnn,*)
+  echo "=== generate 5 s 384p side by side with the reference, compiled blocks + cuDNN attention (GPU $GPU)"
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py generate --compile --attention cudnn --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_compile_cudnn.json" 2>&1 | tee -a "$OUT/suite.log" | tail -8;;
+esac
+for att in sdpa cudnn; do
+  step=gen768; [ $att = cudnn ] && step=gen768cudnn
   case ",$STEPS," in *,$step,*)
     echo "=== generate 5 s 768p, compiled blocks, attention $att (GPU $GPU)"
-    CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_generate.py --device cuda --resolution 768p --compile --decode-tile auto --attention $att --json "$OUT/gen768_$att.json" 2>&1 | tail -3;;
+    CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_generate.py --device cuda --resolution 768p --compile --decode-tile auto --attention $att --json "$OUT/gen768_$att.json" 2>&1 | tee -a "$OUT/suite.log" | tail -3;;
   esac
 done
 case ",$STEPS," in *,verify2,*)
-  echo "=== verify, exact chunked encode on 2 GPUs (half the frames each)"; python benchmarks/bench_verify.py --device cuda --nproc 2 --json "$OUT/verify2.json" 2>&1 | grep -v "kept in float32" | tail -8;;
+  echo "=== verify, exact chunked encode on 2 GPUs (half the frames each)"; python benchmarks/bench_verify.py --device cuda --nproc 2 --json "$OUT/verify2.json" 2>&1 | tee -a "$OUT/suite.log" | grep -v "kept in float32" | tail -8;;
 esac
 case ",$STEPS," in *,train,*)
-  echo "=== train (no checkpointing)"; CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --device cuda --json "$OUT/train.json" 2>&1 | tail -14;;
+  echo "=== train (no checkpointing)"; CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --device cuda --json "$OUT/train.json" 2>&1 | tee -a "$OUT/suite.log" | tail -14;;
 esac
 case ",$STEPS," in *,vae,*|*,vae384,*)
   echo "=== causal VAE alone at 384p, pfctl (layouts: ${LAYOUTS:-contiguous,channels_last}) vs the reference VAE"
-  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_vae.py --device cuda --reference third_party/Pyramid-Flow --only decode384,encode384 --layouts "${LAYOUTS:-contiguous,channels_last}" --profile --json "$OUT/vae384.json" 2>&1 | grep -v '^{' | tail -40;;
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_vae.py --device cuda --reference third_party/Pyramid-Flow --only decode384,encode384 --layouts "${LAYOUTS:-contiguous,channels_last}" --profile --json "$OUT/vae384.json" 2>&1 | tee -a "$OUT/suite.log" | grep -v "^{" | tail -40;;
 esac
 case ",$STEPS," in *,vae,*|*,vae768,*)
   echo "=== causal VAE alone at 768p, pfctl (layouts: ${LAYOUTS:-contiguous,channels_last}) vs the reference VAE"
-  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_vae.py --device cuda --reference third_party/Pyramid-Flow --only decode768 --layouts "${LAYOUTS:-contiguous,channels_last}" --repeats 1 --profile --json "$OUT/vae768.json" 2>&1 | grep -v "^{" | tail -30;;
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_vae.py --device cuda --reference third_party/Pyramid-Flow --only decode768 --layouts "${LAYOUTS:-contiguous,channels_last}" --repeats 1 --profile --json "$OUT/vae768.json" 2>&1 | tee -a "$OUT/suite.log" | grep -v "^{" | tail -30;;
 esac
 case ",$STEPS," in *,encode,*)
   echo "=== encode-latents end to end (121-frame 640x384 mp4)"; CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_encode.py --device cuda --chunking framewise --num-workers 4 2>&1 | tee "$OUT/encode.txt" | tail -6;;

@@ -151,18 +151,16 @@ class TrainConfig(Section):
     fsdp: Literal["none", "shard_grad_op", "full_shard"] = "none"
     """FSDP through accelerate: shard_grad_op = ZeRO-2, full_shard = ZeRO-3."""
     fsdp_cpu_offload: bool = False
-    allow_cudnn_attention: bool = False
-    """Let SDPA pick cuDNN attention on CUDA. Off by default: it plans per shape, and the pyramid's
-    column lengths change every step (measured on an H200: 3.3x slower miniFLUX steps)."""
-    attention: Literal["sdpa", "flex"] = "sdpa"
-    """DiT attention: ``sdpa`` (fused kernels with an additive mask; computes every masked score) or
-    ``flex`` (FlexAttention with block masks: skips the key blocks the temporal-causal mask hides;
-    compiled, CUDA only: FlexAttention has no backward on the CPU). ``flex`` is not yet measured
-    against ``sdpa`` in training (benchmarks/RESULTS.md)."""
+    attention: Literal["sdpa", "cudnn"] = "sdpa"
+    """The kernel of the DiT's masked attention: ``sdpa`` leaves it to PyTorch (memory-efficient),
+    ``cudnn`` puts cuDNN's fused kernel first: 2.6x faster forward + backward on an H200 for the
+    attention alone, but not yet a faster compiled miniFLUX step (benchmarks/RESULTS.md, session 7).
+    Same loss within bf16 rounding; no effect on the CPU."""
     compile: bool = False
     """``torch.compile`` each DiT block (dynamic shapes, CUDA only; ignored on the CPU): fuses the
-    norms, RoPE, modulation and residuals around the matmuls, forward and backward. The first steps pay
-    the compilation (about a minute per block type); the weights and checkpoint keys are unchanged."""
+    norms, RoPE, modulation and residuals around the matmuls, forward and backward. On an H200 a miniFLUX
+    step goes from 0.235 to 0.186 s (1.43x to 1.81x the reference's, same run); the first step pays the
+    compilation (~70 s). Weights and checkpoint keys are unchanged."""
 
     # --- checkpoints ----------------------------------------------------------------------------
     checkpoint_every: int = Field(default=1000, ge=1)

@@ -13,9 +13,9 @@ interleaved: row ``r = b*K + k`` belongs to column ``k``, item ``b``. Inside the
 Everything that depends only on shapes (token counts, RoPE tables, attention masks) is computed once per
 forward in a :class:`PyramidLayout` and handed to every block, so no block rebuilds them.
 
-Attention runs in one of :data:`ATTENTION_BACKENDS`: ``sdpa`` (PyTorch's fused kernels with an additive
-mask: every masked score is still computed) or ``flex`` (FlexAttention with a block mask: key blocks that
-the mask hides from a query block are skipped; compiled on CUDA, no backward on the CPU).
+Attention is SDPA with an additive mask; :data:`ATTENTION_BACKENDS` say which fused kernel runs it:
+``sdpa`` leaves the choice to PyTorch (the memory-efficient kernel on CUDA), ``cudnn`` puts cuDNN's kernel
+first (on an H200, 2.6x the memory-efficient kernel's speed on these masks; benchmarks/bench_attention.py).
 
 Numerics follow the reference implementation exactly in float32 (same op order), so the parity vectors match
 to ~1e-7; nothing here reads the environment or touches torch.distributed.
@@ -23,10 +23,9 @@ to ~1e-7; nothing here reads the environment or touches torch.distributed.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import logging
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -39,8 +38,8 @@ from pfctl.errors import ConfigError, InputError
 
 logger = logging.getLogger(__name__)
 
-#: attention implementations of the DiTs (:meth:`BlockCheckpointing.set_attention_backend`)
-ATTENTION_BACKENDS = ("sdpa", "flex")
+#: attention kernels of the DiTs (:meth:`BlockCheckpointing.set_attention_backend`, :func:`attention_kernels`)
+ATTENTION_BACKENDS = ("sdpa", "cudnn")
 
 ROPE_THETA = 10000
 TIMESTEP_FREQ_DIM = 256
@@ -503,26 +502,12 @@ def build_attention_bias(
     return biases
 
 
-def build_block_masks(
-    text_valid: torch.Tensor, frame_ids: Sequence[torch.Tensor], num_columns: int, temporal_causal: bool
-) -> list[object]:
-    """The masks of :func:`build_attention_bias` as FlexAttention block masks, one per column (the same
-    :func:`visibility_rules`). Query/key blocks the rule hides entirely are skipped by the kernel, fully
-    visible ones are computed without evaluating the rule."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    return [
-        create_block_mask(rule, bc, None, size, size, device=text_valid.device)
-        for bc, size, rule in visibility_rules(text_valid, frame_ids, num_columns, temporal_causal)
-    ]
-
-
 def visibility_rules(
     text_valid: torch.Tensor, frame_ids: Sequence[torch.Tensor], num_columns: int, temporal_causal: bool
 ) -> list[tuple[int, int, Callable[..., torch.Tensor]]]:
     """Per column ``(Bc, S, rule)``: ``rule(b, h, q, kv)`` (FlexAttention's ``mask_mod`` signature; any
     broadcastable index tensors) says whether query ``q`` of item ``b`` may attend key ``kv`` of the column's
-    ``S = L + n_k`` tokens. The one definition of visibility that both attention backends' masks use."""
+    ``S = L + n_k`` tokens: the definition of visibility the attention masks are built from."""
     valid_cols = by_column(text_valid, num_columns)  # [Bc, K, L]
     bc, text_len = valid_cols.shape[0], valid_cols.shape[2]
     rules = []
@@ -545,21 +530,6 @@ def _visibility_rule(
     return rule
 
 
-def build_attention_masks(
-    text_valid: torch.Tensor,
-    frame_ids: Sequence[torch.Tensor],
-    num_columns: int,
-    temporal_causal: bool,
-    dtype: torch.dtype,
-    backend: str,
-) -> list[object]:
-    """Per-column attention masks for ``backend`` (:data:`ATTENTION_BACKENDS`): additive biases for
-    ``sdpa`` (:func:`build_attention_bias`), block masks for ``flex`` (:func:`build_block_masks`)."""
-    if backend == "flex":
-        return build_block_masks(text_valid, frame_ids, num_columns, temporal_causal)
-    return build_attention_bias(text_valid, frame_ids, num_columns, temporal_causal, dtype)
-
-
 def attention_dtype(hidden_states: torch.Tensor) -> torch.dtype:
     """The dtype q/k/v will have in the blocks fed ``hidden_states``: autocast's when it is on, else its own."""
     device_type = hidden_states.device.type
@@ -568,43 +538,40 @@ def attention_dtype(hidden_states: torch.Tensor) -> torch.dtype:
     return hidden_states.dtype
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object) -> torch.Tensor:
-    """Attention under one column's mask from :func:`build_attention_masks`; ``q, k, v [B, S, H, hd]`` ->
-    ``[B, Sq, H*hd]``.
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, backend: str = "sdpa"
+) -> torch.Tensor:
+    """Attention under one column's additive mask from :func:`build_attention_bias`; ``q, k, v [B, S, H, hd]``
+    -> ``[B, Sq, H*hd]``.
 
-    Every attention call of both DiTs goes through here. An additive mask goes to SDPA, which picks a fused
-    kernel that accepts it (memory-efficient / cuDNN on GPU, the flash-style CPU kernel), never one that
-    would drop it; a block mask goes to FlexAttention (:func:`flex_attention`).
+    Every attention call of both DiTs goes through here, with the kernels of ``backend``
+    (:func:`attention_kernels`). SDPA picks a fused kernel that accepts the mask (memory-efficient or cuDNN on
+    GPU, the flash-style CPU kernel), never one that would drop it.
     """
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, S, hd]
-    if isinstance(mask, torch.Tensor):
-        if mask.dtype != q.dtype:  # a layout built for another dtype than the blocks run in
-            mask = mask.to(q.dtype)
+    if mask.dtype != q.dtype:  # a layout built for another dtype than the blocks run in
+        mask = mask.to(q.dtype)
+    with attention_kernels(backend):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, Sq, hd]
-    elif torch.compiler.is_compiling():  # inside compiled blocks: traced into their graph as it is
-        from torch.nn.attention.flex_attention import flex_attention as flex
-
-        out = flex(q, k, v, block_mask=mask)
-    else:
-        out = flex_attention(q.device)(q, k, v, block_mask=mask)
     return out.transpose(1, 2).flatten(2)  # [B, Sq, H*hd]
 
 
-@functools.cache
-def flex_attention(device: torch.device) -> Callable[..., torch.Tensor]:
-    """FlexAttention for ``device``: compiled on CUDA (one kernel for every sequence length: dynamic
-    shapes), eager elsewhere (PyTorch's unfused reference implementation: correct, for tests and the CPU)."""
-    from torch.nn.attention.flex_attention import flex_attention as flex
+def attention_kernels(backend: str) -> contextlib.AbstractContextManager:
+    """The SDPA kernel order under ``backend`` (:data:`ATTENTION_BACKENDS`): ``sdpa`` keeps PyTorch's,
+    ``cudnn`` tries cuDNN's kernel first and falls back to the others where it cannot run a call (the CPU,
+    unsupported shapes). Entered around each call, so gradient checkpointing's recomputation picks the kernel
+    the forward picked; torch.compile traces it without a graph break."""
+    if backend != "cudnn":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    if device.type == "cuda":
-        return torch.compile(flex, dynamic=True)
-
-    def eager(*args: object, **kwargs: object) -> torch.Tensor:
-        with warnings.catch_warnings():  # "called without torch.compile": intended off CUDA
-            warnings.simplefilter("ignore", UserWarning)
-            return flex(*args, **kwargs)
-
-    return eager
+    order = [
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+    ]
+    return sdpa_kernel(order, set_priority=True)
 
 
 @dataclass
@@ -615,7 +582,8 @@ class PyramidLayout:
     batch: int  # Bc, items per column
     text_len: int  # L
     image_lengths: list[int]  # n_k: image tokens of column k (all clips)
-    attn_masks: list[object]  # per column: [Bc, 1, L+n_k, L+n_k] additive (0 / MASKED), or a flex BlockMask
+    attn_masks: list[torch.Tensor]  # per column: [Bc, 1, L+n_k, L+n_k] additive (0 / MASKED)
+    attention_backend: str = "sdpa"  # the kernels that run the attention (:func:`attention_kernels`)
     rope: RotaryTable | None = None  # for the image tokens [N]
     joint_rope: RotaryTable | None = None  # for the [text_k; image_k] layout (text: identity)
 
@@ -813,6 +781,7 @@ class DualStreamAttention(nn.Module):
                 torch.cat([ck_col, ki], dim=1),
                 torch.cat([cv_col, vi], dim=1),
                 bias,
+                layout.attention_backend,
             )  # [Bc, L+n_k, H*hd]
             text_part, image_part = out.split([text_len, qi.shape[1]], dim=1)
             text_out.append(text_part)
@@ -919,14 +888,14 @@ class BlockCheckpointing:
 
     gradient_checkpointing: bool
     gradient_checkpointing_ratio: float
-    #: the attention implementation (:data:`ATTENTION_BACKENDS`); masks are built for it each forward
+    #: the attention kernels (:data:`ATTENTION_BACKENDS`), handed to the blocks in each forward's layout
     attention_backend: str = "sdpa"
 
     def blocks_in_order(self) -> list[tuple[str, nn.Module]]:  # pragma: no cover - overridden
         raise NotImplementedError
 
     def set_attention_backend(self, backend: str) -> None:
-        """Run attention with ``backend``: ``sdpa`` (default) or ``flex`` (see :mod:`pfctl.models.dit_common`)."""
+        """Run attention with ``backend``: ``sdpa`` (default) or ``cudnn`` (see :func:`attention_kernels`)."""
         if backend not in ATTENTION_BACKENDS:
             raise ConfigError(
                 f"unknown attention backend {backend!r}", hint=f"use one of {', '.join(ATTENTION_BACKENDS)}"

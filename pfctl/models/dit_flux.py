@@ -38,7 +38,7 @@ from pfctl.models.dit_common import (
     TimestepTextEmbedding,
     apply_rope,
     attention_dtype,
-    build_attention_masks,
+    build_attention_bias,
     by_column,
     check_forward_inputs,
     check_ratio,
@@ -98,7 +98,7 @@ class FluxSingleAttention(nn.Module):
         q, k = apply_rope(q, layout.joint_rope), apply_rope(k, layout.joint_rope)
         lengths = layout.joint_lengths
         outs = [
-            masked_attention(qc, kc, vc, mask)
+            masked_attention(qc, kc, vc, mask, layout.attention_backend)
             for qc, kc, vc, mask in zip(
                 q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1), layout.attn_masks, strict=True
             )
@@ -264,13 +264,12 @@ class PyramidFluxTransformer(BlockCheckpointing, ModelMixin, ConfigMixin):
         positions = torch.cat([self._positions(col, device) for col in grids], dim=0)  # [N, 3]
         cos, sin = rope_tables(positions, self.config.axes_dims_rope)  # 2 x [N, hd/2]
         text_len = encoder_attention_mask.shape[1]
-        attn_masks = build_attention_masks(
+        attn_masks = build_attention_bias(
             encoder_attention_mask != 0,
             [clip_frame_ids(col, device) for col in grids],
             len(grids),
             self.config.use_temporal_causal,
             attn_dtype,
-            self.attention_backend,
         )
         return PyramidLayout(
             len(grids),
@@ -278,6 +277,7 @@ class PyramidFluxTransformer(BlockCheckpointing, ModelMixin, ConfigMixin):
             text_len,
             image_lengths,
             attn_masks,
+            self.attention_backend,
             rope=rotary_table(cos, sin),
             joint_rope=rotary_table(*with_text_identity(cos, sin, image_lengths, text_len)),
         )

@@ -41,7 +41,7 @@ from pfctl.models.dit_common import (
     PyramidLayout,
     TimestepTextEmbedding,
     attention_dtype,
-    build_attention_masks,
+    build_attention_bias,
     check_forward_inputs,
     check_ratio,
     clip_frame_ids,
@@ -300,13 +300,12 @@ class PyramidDiffusionMMDiT(BlockCheckpointing, ModelMixin, ConfigMixin):
         text_valid = encoder_attention_mask != 0
         if not self.config.use_t5_mask:
             text_valid = torch.ones_like(text_valid)
-        attn_masks = build_attention_masks(
+        attn_masks = build_attention_bias(
             text_valid,
             frame_ids,
             len(grids),
             self.config.use_temporal_causal,
             attn_dtype,
-            self.attention_backend,
         )
         rope = None
         if self.temporal_rope:
@@ -314,7 +313,13 @@ class PyramidDiffusionMMDiT(BlockCheckpointing, ModelMixin, ConfigMixin):
             rope = rotary_table(*rope_tables(frames, [self.config.attention_head_dim]))
         image_lengths = [sum(t * h * w for t, h, w in col) for col in grids]
         return PyramidLayout(
-            len(grids), batch, encoder_attention_mask.shape[1], image_lengths, attn_masks, rope=rope
+            len(grids),
+            batch,
+            encoder_attention_mask.shape[1],
+            image_lengths,
+            attn_masks,
+            self.attention_backend,
+            rope=rope,
         )
 
     def forward(

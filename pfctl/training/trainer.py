@@ -376,13 +376,6 @@ class Trainer:
             fsdp_plugin=build_fsdp_plugin(cfg, self.config.model.name),
         )
         rt = self.runtime
-        if cfg.attention == "flex" and rt.device.type != "cuda":
-            raise ConfigError(
-                f"train.attention=flex on {rt.device.type}: FlexAttention has no backward pass there",
-                hint="train on a CUDA device, or use train.attention=sdpa",
-            )
-        if rt.device.type == "cuda" and not cfg.allow_cudnn_attention:
-            torch.backends.cuda.enable_cudnn_sdp(False)  # the memory-efficient kernel takes the same mask
         # 3. data: the cache (format + fingerprint checked), the group's sampler, the loader
         self.cache = open_cache(cache_path(self.config))
         clips = cache_clips(self.cache)

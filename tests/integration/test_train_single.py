@@ -14,7 +14,6 @@ from safetensors.torch import load_file
 from pfctl import api
 from pfctl.config import load_config
 from pfctl.data.dataset import write_synthetic_cache
-from pfctl.errors import ConfigError
 
 LENGTHS = [4] * 8 + [3] * 8 + [1] * 8
 
@@ -138,16 +137,6 @@ def test_every_switch_turns_off(cache: Path, tmp_path: Path) -> None:
     assert dit_config["use_temporal_causal"] is False and dit_config["interp_condition_pos"] is False
     rows = [json.loads(x) for x in (out / "assignments" / "rank-00000.jsonl").read_text().splitlines()]
     assert all(r["units"] is None for r in rows)  # non-AR: whole clips, no unit schedule
-
-
-def test_flex_attention_is_refused_for_training_on_the_cpu(cache: Path, tmp_path: Path) -> None:
-    """FlexAttention has no backward pass on the CPU: the run stops at set-up with a config error (exit 2)
-    naming the key, not with an error inside the first backward."""
-    from pfctl.training.trainer import Trainer
-
-    trainer = Trainer(config(cache, tmp_path / "flex", max_steps=1, attention="flex"))
-    with pytest.raises(ConfigError, match=r"train\.attention=flex"):
-        trainer.setup()
 
 
 @pytest.mark.slow
