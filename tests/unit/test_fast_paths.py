@@ -234,7 +234,9 @@ def test_cudnn_attention_on_cuda_matches_sdpa() -> None:
     and matches the default kernel within bf16 rounding: a training forward + backward under bf16 autocast
     with every block checkpointed (the recomputation must pick the forward's kernel), padded text, and a
     video sampled with CUDA graphs."""
-    dit, sampler_dit = tiny_dit().cuda(), tiny_dit().cuda().to(torch.bfloat16).eval()
+    head_64 = {"attention_head_dim": 64, "axes_dims_rope": [16, 24, 24]}  # miniFLUX's head width
+    dit = tiny_dit(overrides=head_64).cuda()
+    sampler_dit = tiny_dit(overrides=head_64).cuda().to(torch.bfloat16).eval()
     dit.gradient_checkpointing, dit.gradient_checkpointing_ratio = True, 1.0
     cfg = dit.config
     gen = torch.Generator().manual_seed(0)
