@@ -54,6 +54,7 @@ import sys
 import tempfile
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -235,6 +236,45 @@ def _timed(fn, device: torch.device):
     out = fn()
     _sync(device)
     return out, time.perf_counter() - t0, _peak_gib(device)
+
+
+KERNEL_KINDS = (  # (kind, name fragments), first match wins; the rest is "other"
+    ("attention", ("fmha", "cudnn", "flash", "attention")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("compiled (inductor)", ("triton",)),
+    ("elementwise", ("elementwise", "vectorized")),
+    ("reduction", ("reduce", "norm")),
+    ("copy", ("copy", "cat", "fill")),
+)
+
+
+def kernel_breakdown(fn: Callable[[], object], repeats: int = 2) -> dict:
+    """Profile ``repeats`` calls of ``fn`` on CUDA: GPU busy time and kernel time by kind, per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_kind: dict[str, float] = {}
+    for e in kernels:
+        name = e.name.lower()
+        kind = next((k for k, parts in KERNEL_KINDS if any(p in name for p in parts)), "other")
+        by_kind[kind] = by_kind.get(kind, 0.0) + e.time_range.elapsed_us() / 1e3 / repeats
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy, (start, end) = 0.0, spans[0]
+    for s, e in spans[1:]:
+        if s > end:
+            busy, start = busy + end - start, s
+        end = max(end, e)
+    busy += end - start
+    return {
+        "gpu_busy_ms": busy / 1e3 / repeats,
+        "kernels_per_call": len(kernels) / repeats,
+        "kernel_ms_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+    }
 
 
 def autocast(device: torch.device) -> contextlib.AbstractContextManager:
@@ -553,6 +593,7 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
             return float(loss.detach())
 
         runs = [_timed(lambda i=i: pfctl_step(i), device) for i in range(len(inputs))]
+        profiled = kernel_breakdown(lambda: pfctl_step(len(inputs) - 1)) if cuda and args.profile else None
         diff = [abs(a[0] - b[0]) / max(abs(a[0]), 1e-12) for a, b in zip(ref_runs, runs, strict=True)]
         step_s = statistics.median(r[1] for r in runs[timed])
         variants[variant] = {
@@ -565,6 +606,7 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
             "loss_relative_diff": diff,
             "speedup_step": ref_s / step_s,
             "agrees": diff[0] <= tolerance,
+            "profile": profiled,
         }
         print(
             f"pfctl {variant}: step {step_s:.3f} s (first {runs[0][1]:.1f} s), loss rel. diff {diff[0]:.1e}"
@@ -602,6 +644,12 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
             f"{name:>18} {r['step_s']:>8.3f} {mean_tokens / r['step_s']:>10.0f} {gib(r['peak_gib']):>9} "
             f"{r['losses'][0]:>11.5f}{extra}"
         )
+    for variant, r in variants.items():
+        if r["profile"]:
+            kinds = ", ".join(f"{k} {ms:.1f}" for k, ms in r["profile"]["kernel_ms_by_kind"].items())
+            print(
+                f"pfctl {variant} profile: GPU busy {r['profile']['gpu_busy_ms']:.1f} ms per step; ms by kind: {kinds}"
+            )
     same = "yes" if result["agrees"] else "NO"
     print(f"ratio = reference / pfctl step; first-step loss rel. diff tolerance {tolerance:.0e}: {same}")
     return result
@@ -640,6 +688,9 @@ def main() -> None:
         help="train: pfctl variants timed against one reference run: sdpa or cudnn (train.attention), each "
         "optionally +compile, e.g. sdpa,sdpa+compile,cudnn+compile "
         "(default: --attention, +compile with --compile)",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="train, CUDA: kernel time by kind of one more step per variant"
     )
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()

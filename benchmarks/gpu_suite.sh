@@ -33,7 +33,7 @@ case ",$STEPS," in *,generate,*)
   CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_generate.py --device cuda --compile --videos 3 --json "$OUT/generate_compile.json" 2>&1 | tee -a "$OUT/suite.log" | tail -3;;
 esac
 case ",$STEPS," in *,lora,*)
-  echo "=== LoRA memory levers (GPU 0)"; CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_lora.py --json "$OUT/lora.json" 2>&1 | tee -a "$OUT/suite.log" | tail -10;;
+  echo "=== LoRA memory levers (GPU 0)"; CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_lora.py --json "$OUT/lora.json" 2>&1 | tee -a "$OUT/suite.log" | tail -14;;
 esac
 case ",$STEPS," in *,reference,*)
   echo "=== side by side with the reference (GPU 0, miniFLUX 384p: generate 5 s, train step; then generate with compiled blocks)"
@@ -46,7 +46,7 @@ case ",$STEPS," in *,refgen,*)
 esac
 case ",$STEPS," in *,trainvariants,*)
   echo "=== train step side by side with the reference: pfctl with the default / cuDNN attention kernel, eager / compiled blocks (GPU $GPU)"
-  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py train --train-variants "${TRAIN_VARIANTS:-sdpa,cudnn,sdpa+compile,cudnn+compile}" --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_train_variants.json" 2>&1 | tee -a "$OUT/suite.log" | tail -10;;
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py train --train-variants "${TRAIN_VARIANTS:-sdpa,cudnn,sdpa+compile,cudnn+compile}" --profile --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_train_variants.json" 2>&1 | tee -a "$OUT/suite.log" | tail -14;;
 esac
 case ",$STEPS," in *,attention,*)
   echo "=== masked attention kernels on the DiT's masks (GPU $GPU)"
