@@ -120,7 +120,10 @@ def main() -> None:
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run every DiT call eagerly")
     parser.add_argument(
-        "--attention", default="sdpa", choices=["sdpa", "cudnn"], help="the DiT's attention backend"
+        "--attention",
+        default="auto",
+        choices=["auto", "efficient", "cudnn"],
+        help="the DiT's attention backend",
     )
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()

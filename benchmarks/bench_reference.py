@@ -15,9 +15,9 @@ CLIP-L 768) stand in for the text encoders on both sides.
   pfctl's timed step is therefore DiT + loss + backward + optimizer; its own batch building and
   noising are timed with the whole trainer by ``bench_train.py``. Both optimizers are AdamW with
   norms and biases exempt from weight decay (the reference's ``create_optimizer``). The reference
-  runs its masked attention on PyTorch's default kernel; pfctl on the one each variant names
-  (``--train-variants``: ``sdpa`` = the same default, ``cudnn``; ``+compile``: compiled blocks), all
-  timed against one reference run.
+  runs its masked attention with cuDNN's kernel off, as pfctl's trainer does by default (cuDNN plans
+  for every new shape); pfctl on the kernel each variant names (``--train-variants``: ``efficient``
+  or ``cudnn``; ``+compile``: compiled blocks), all timed against one reference run.
 
 The reference is not part of pfctl: clone jy0205/Pyramid-Flow into a git-ignored folder (default
 ``third_party/Pyramid-Flow``) and install ``einops`` (its dependency). To run it on current
@@ -358,7 +358,7 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
 
     # --- pfctl, loading the same folder with its own code
     dit = load_dit_folder(folder / VARIANT, dtype=dtype, device=device).eval()
-    dit.set_attention_backend(args.attention)
+    dit.set_attention_backend(args.attention or "auto")
     if args.compile and cuda:
         dit.compile_blocks()  # the first timed run pays the compilation; the last one is reported
     vae = load_vae(str(folder / "causal_video_vae"), dtype=dtype, device=device)
@@ -418,7 +418,7 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
         "pfctl_options": {
             "cuda_graphs": cuda and not args.no_cuda_graphs,
             "compile": cuda and args.compile,
-            "attention": args.attention,
+            "attention": args.attention or "auto",
         },
         "reference": {
             "sample_s": ref_sample_s,
@@ -483,6 +483,8 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
     from pfctl.training.optim import build_optimizer
 
     cuda = device.type == "cuda"
+    if cuda:  # the reference with pfctl's training default (train.attention=efficient): no cuDNN attention
+        torch.backends.cuda.enable_cudnn_sdp(False)  # pfctl's variants choose their kernel per call
     frames = args.temp or (16 if cuda else 4)
     group = 8 if cuda else 2
     latent_h, latent_w = (48, 80) if cuda else (8, 8)
@@ -679,14 +681,17 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=None, help="train: steps per side (default 6 on CUDA)")
     parser.add_argument(
-        "--attention", default="sdpa", choices=["sdpa", "cudnn"], help="pfctl's DiT attention backend"
+        "--attention",
+        default=None,
+        choices=["auto", "efficient", "cudnn"],
+        help="pfctl's DiT attention (default: generate auto, train efficient: pfctl's defaults)",
     )
     parser.add_argument(
         "--train-variants",
         type=lambda v: v.split(","),
         default=None,
-        help="train: pfctl variants timed against one reference run: sdpa or cudnn (train.attention), each "
-        "optionally +compile, e.g. sdpa,sdpa+compile,cudnn+compile "
+        help="train: pfctl variants timed against one reference run: efficient or cudnn (train.attention), each "
+        "optionally +compile, e.g. efficient,efficient+compile,cudnn+compile "
         "(default: --attention, +compile with --compile)",
     )
     parser.add_argument(
@@ -695,11 +700,10 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
     if args.train_variants is None:
-        args.train_variants = [args.attention + ("+compile" if args.compile else "")]
-    unknown = {v for v in args.train_variants if v.removesuffix("+compile") not in ("sdpa", "cudnn")}
+        args.train_variants = [(args.attention or "efficient") + ("+compile" if args.compile else "")]
+    unknown = {v for v in args.train_variants if v.removesuffix("+compile") not in ("efficient", "cudnn")}
     if unknown:
-        parser.error(f"--train-variants: unknown {sorted(unknown)} (sdpa or cudnn, optionally +compile)")
-
+        parser.error(f"--train-variants: unknown {sorted(unknown)} (efficient or cudnn, optionally +compile)")
     Reference, stubbed = import_reference(args.reference.resolve())
     device = torch.device(
         "cuda" if (args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())) else "cpu"

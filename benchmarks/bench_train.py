@@ -85,7 +85,9 @@ def main() -> None:
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--profile", action="store_true", help="print the top ops of one profiled step")
-    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "cudnn"], help="train.attention")
+    parser.add_argument(
+        "--attention", default="efficient", choices=["auto", "efficient", "cudnn"], help="train.attention"
+    )
     parser.add_argument("--compile", action="store_true", help="train.compile (compiled DiT blocks)")
     args = parser.parse_args()
 

@@ -3,7 +3,7 @@
 # 2-process sync-group run and the FSDP tests on both). Results: $OUT (or ./bench-out).
 # Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgencudnn,gen768,gen768cudnn,attention]
 # (LAYOUTS=channels_last_unfused,channels_last picks the VAE layouts the vae steps time)
-# (TRAIN_VARIANTS=sdpa,cudnn+compile picks the pfctl variants the trainvariants step times)
+# (TRAIN_VARIANTS=efficient,cudnn+compile picks the pfctl variants the trainvariants step times)
 # (reference: needs a Pyramid-Flow checkout in third_party/Pyramid-Flow and einops; not in the default list)
 set -uo pipefail
 OUT="${OUT:-bench-out}"; mkdir -p "$OUT"
@@ -46,7 +46,7 @@ case ",$STEPS," in *,refgen,*)
 esac
 case ",$STEPS," in *,trainvariants,*)
   echo "=== train step side by side with the reference: pfctl with the default / cuDNN attention kernel, eager / compiled blocks (GPU $GPU)"
-  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py train --train-variants "${TRAIN_VARIANTS:-sdpa,cudnn,sdpa+compile,cudnn+compile}" --profile --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_train_variants.json" 2>&1 | tee -a "$OUT/suite.log" | tail -14;;
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py train --train-variants "${TRAIN_VARIANTS:-efficient,cudnn,efficient+compile,cudnn+compile}" --profile --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_train_variants.json" 2>&1 | tee -a "$OUT/suite.log" | tail -14;;
 esac
 case ",$STEPS," in *,attention,*)
   echo "=== masked attention kernels on the DiT's masks (GPU $GPU)"

@@ -139,11 +139,11 @@ class GenerateConfig(Section):
     cuda_graphs: bool = True
     """Replay each stage's DiT forward as a CUDA graph after its first step: the same kernels
     without the launch overhead that dominates the small low-resolution calls (CUDA only)."""
-    attention: Literal["sdpa", "cudnn"] = "sdpa"
-    """The kernel of the DiT's masked attention (SDPA with an additive mask either way): ``sdpa`` leaves
-    it to PyTorch (memory-efficient), ``cudnn`` puts cuDNN's fused kernel first. On an H200 cuDNN runs
-    this attention 2.6x faster (the kernel alone, benchmarks/RESULTS.md); a whole video with it is not
-    yet measured, so it is not the default. Same results within bf16 rounding; no effect on the CPU."""
+    attention: Literal["auto", "efficient", "cudnn"] = "auto"
+    """The kernel of the DiT's masked attention (SDPA with an additive mask in every case): ``auto``
+    leaves it to PyTorch, which on H100/H200 picks cuDNN's (the generate timings in
+    benchmarks/RESULTS.md ran so); ``efficient`` the memory-efficient kernel; ``cudnn`` cuDNN's first.
+    Same results within bf16 rounding; no effect on the CPU."""
 
     @field_validator("num_inference_steps", "video_num_inference_steps")
     @classmethod

@@ -151,16 +151,17 @@ class TrainConfig(Section):
     fsdp: Literal["none", "shard_grad_op", "full_shard"] = "none"
     """FSDP through accelerate: shard_grad_op = ZeRO-2, full_shard = ZeRO-3."""
     fsdp_cpu_offload: bool = False
-    attention: Literal["sdpa", "cudnn"] = "sdpa"
-    """The kernel of the DiT's masked attention: ``sdpa`` leaves it to PyTorch (memory-efficient),
-    ``cudnn`` puts cuDNN's fused kernel first: 2.6x faster forward + backward on an H200 for the
-    attention alone, but not yet a faster compiled miniFLUX step (benchmarks/RESULTS.md, session 7).
-    Same loss within bf16 rounding; no effect on the CPU."""
+    attention: Literal["auto", "efficient", "cudnn"] = "efficient"
+    """The kernel of the DiT's masked attention: ``efficient`` (default) the memory-efficient one;
+    ``cudnn`` cuDNN's, which plans per shape (the pyramid's shapes change every step: 3.2x slower
+    steps measured on an H200 in the whole trainer) though its kernel alone is 2.6x faster;
+    ``auto`` PyTorch's choice (cuDNN on H100/H200). Same loss within bf16 rounding; no effect on the CPU."""
     compile: bool = False
     """``torch.compile`` each DiT block (dynamic shapes, CUDA only; ignored on the CPU): fuses the
-    norms, RoPE, modulation and residuals around the matmuls, forward and backward. On an H200 a miniFLUX
-    step goes from 0.235 to 0.186 s (1.43x to 1.81x the reference's, same run); the first step pays the
-    compilation (~70 s). Weights and checkpoint keys are unchanged."""
+    norms, RoPE, modulation and residuals around the matmuls, forward and backward; the first step pays
+    the compilation (~70 s). Weights and checkpoint keys are unchanged. On an H200 the miniFLUX DiT step
+    on the reference's inputs goes from 0.235 to 0.186 s (1.43x to 1.81x the reference's, same run);
+    the whole trainer with it is not yet measured (benchmarks/RESULTS.md)."""
 
     # --- checkpoints ----------------------------------------------------------------------------
     checkpoint_every: int = Field(default=1000, ge=1)

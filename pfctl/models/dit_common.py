@@ -13,9 +13,8 @@ interleaved: row ``r = b*K + k`` belongs to column ``k``, item ``b``. Inside the
 Everything that depends only on shapes (token counts, RoPE tables, attention masks) is computed once per
 forward in a :class:`PyramidLayout` and handed to every block, so no block rebuilds them.
 
-Attention is SDPA with an additive mask; :data:`ATTENTION_BACKENDS` say which fused kernel runs it:
-``sdpa`` leaves the choice to PyTorch (the memory-efficient kernel on CUDA), ``cudnn`` puts cuDNN's kernel
-first (on an H200, 2.6x the memory-efficient kernel's speed on these masks; benchmarks/bench_attention.py).
+Attention is SDPA with an additive mask; :data:`ATTENTION_BACKENDS` say which fused kernel runs it
+(:func:`attention_kernels`): PyTorch's choice, the memory-efficient kernel, or cuDNN's.
 
 Numerics follow the reference implementation exactly in float32 (same op order), so the parity vectors match
 to ~1e-7; nothing here reads the environment or touches torch.distributed.
@@ -39,7 +38,7 @@ from pfctl.errors import ConfigError, InputError
 logger = logging.getLogger(__name__)
 
 #: attention kernels of the DiTs (:meth:`BlockCheckpointing.set_attention_backend`, :func:`attention_kernels`)
-ATTENTION_BACKENDS = ("sdpa", "cudnn")
+ATTENTION_BACKENDS = ("auto", "efficient", "cudnn")
 
 ROPE_THETA = 10000
 TIMESTEP_FREQ_DIM = 256
@@ -539,7 +538,7 @@ def attention_dtype(hidden_states: torch.Tensor) -> torch.dtype:
 
 
 def masked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, backend: str = "sdpa"
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, backend: str = "auto"
 ) -> torch.Tensor:
     """Attention under one column's additive mask from :func:`build_attention_bias`; ``q, k, v [B, S, H, hd]``
     -> ``[B, Sq, H*hd]``.
@@ -557,21 +556,25 @@ def masked_attention(
 
 
 def attention_kernels(backend: str) -> contextlib.AbstractContextManager:
-    """The SDPA kernel order under ``backend`` (:data:`ATTENTION_BACKENDS`): ``sdpa`` keeps PyTorch's,
-    ``cudnn`` tries cuDNN's kernel first and falls back to the others where it cannot run a call (the CPU,
-    unsupported shapes). Entered around each call, so gradient checkpointing's recomputation picks the kernel
-    the forward picked; torch.compile traces it without a graph break."""
-    if backend != "cudnn":
+    """The SDPA kernels the attention may use under ``backend`` (:data:`ATTENTION_BACKENDS`):
+
+    * ``auto``: PyTorch's order. Recent PyTorch puts cuDNN's kernel first on H100/H200 (with a new enough
+      cuDNN) and flash / memory-efficient elsewhere; with a mask, flash never applies.
+    * ``efficient``: cuDNN left out, so the memory-efficient kernel runs the masked calls (CPU: its fused
+      kernel, as with ``auto``). cuDNN builds a plan for every new shape, and a training run's shapes change
+      every step (measured on an H200: 3.2x slower training steps with cuDNN allowed).
+    * ``cudnn``: cuDNN's kernel first, the others where it cannot run a call (the CPU, unsupported shapes).
+
+    Entered around each call, so gradient checkpointing's recomputation uses the kernel the forward used;
+    torch.compile traces it without a graph break."""
+    if backend == "auto":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    order = [
-        SDPBackend.CUDNN_ATTENTION,
-        SDPBackend.FLASH_ATTENTION,
-        SDPBackend.EFFICIENT_ATTENTION,
-        SDPBackend.MATH,
-    ]
-    return sdpa_kernel(order, set_priority=True)
+    others = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    if backend == "efficient":
+        return sdpa_kernel(others)
+    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, *others], set_priority=True)
 
 
 @dataclass
@@ -583,7 +586,7 @@ class PyramidLayout:
     text_len: int  # L
     image_lengths: list[int]  # n_k: image tokens of column k (all clips)
     attn_masks: list[torch.Tensor]  # per column: [Bc, 1, L+n_k, L+n_k] additive (0 / MASKED)
-    attention_backend: str = "sdpa"  # the kernels that run the attention (:func:`attention_kernels`)
+    attention_backend: str = "auto"  # the kernels that run the attention (:func:`attention_kernels`)
     rope: RotaryTable | None = None  # for the image tokens [N]
     joint_rope: RotaryTable | None = None  # for the [text_k; image_k] layout (text: identity)
 
@@ -889,13 +892,13 @@ class BlockCheckpointing:
     gradient_checkpointing: bool
     gradient_checkpointing_ratio: float
     #: the attention kernels (:data:`ATTENTION_BACKENDS`), handed to the blocks in each forward's layout
-    attention_backend: str = "sdpa"
+    attention_backend: str = "auto"
 
     def blocks_in_order(self) -> list[tuple[str, nn.Module]]:  # pragma: no cover - overridden
         raise NotImplementedError
 
     def set_attention_backend(self, backend: str) -> None:
-        """Run attention with ``backend``: ``sdpa`` (default) or ``cudnn`` (see :func:`attention_kernels`)."""
+        """Run attention with ``backend``: ``auto`` (default), ``efficient`` or ``cudnn`` (:func:`attention_kernels`)."""
         if backend not in ATTENTION_BACKENDS:
             raise ConfigError(
                 f"unknown attention backend {backend!r}", hint=f"use one of {', '.join(ATTENTION_BACKENDS)}"

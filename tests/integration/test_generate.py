@@ -131,11 +131,11 @@ def test_seeds_overrides_and_saved_latents(model_dir, components, runtime, tmp_p
     assert frames.shape == (9, 64, 64, 3)
 
 
-def test_cudnn_attention_setting_reaches_the_dit(model_dir, components, runtime, tmp_path):
-    """generate.attention=cudnn is handed to the DiT; on the CPU (no cuDNN kernel) SDPA falls back to the
-    kernel it uses anyway, so the video is the default one, bit for bit."""
+def test_attention_setting_reaches_the_dit(model_dir, components, runtime, tmp_path):
+    """generate.attention is handed to the DiT; on the CPU every choice runs the kernel SDPA uses anyway
+    (no cuDNN there), so the video is the default one, bit for bit."""
     latents = {}
-    for backend in ("sdpa", "cudnn"):
+    for backend in ("auto", "efficient", "cudnn"):
         config = make_config(
             model_dir, tmp_path / backend, "generate.temp=2", f"generate.attention={backend}"
         )
@@ -144,7 +144,8 @@ def test_cudnn_attention_setting_reaches_the_dit(model_dir, components, runtime,
         ).videos
         latents[backend] = video.latents
         assert components.dit.attention_backend == backend
-    assert torch.equal(latents["cudnn"], latents["sdpa"])
+    assert torch.equal(latents["efficient"], latents["auto"])
+    assert torch.equal(latents["cudnn"], latents["auto"])
 
 
 def test_pfctl_export_uses_ema_and_its_declared_resolution(model_dir, runtime, tmp_path):

@@ -398,34 +398,42 @@ def test_input_errors(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", MODELS)
-def test_cudnn_backend_puts_cudnn_first_around_every_attention_call(kind: str, monkeypatch) -> None:
-    """``cudnn``: every SDPA call of the forward (and of checkpointing's recomputation) runs with cuDNN's
-    kernel first in PyTorch's priority order, and the order is restored after it. On the CPU the fallback is
-    the kernel SDPA uses anyway: the same outputs and gradients, bit for bit."""
+def test_attention_backends_set_the_sdpa_kernels_around_every_call(kind: str, monkeypatch) -> None:
+    """Every SDPA call of the forward (and of checkpointing's recomputation) runs under its backend's kernel
+    set: ``auto`` PyTorch's as it is, ``efficient`` without cuDNN, ``cudnn`` with cuDNN first; the global
+    set is restored after each call. On the CPU all three run the same kernel: the same outputs and
+    gradients, bit for bit."""
     from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends  # introspection only
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    firsts: list[SDPBackend] = []
+    outside = _cur_sdpa_kernel_backends(with_priority=True)
+    seen: list[list[SDPBackend]] = []
 
     def recording(*args, **kwargs):
-        firsts.append(_cur_sdpa_kernel_backends(with_priority=True)[0])
+        seen.append(_cur_sdpa_kernel_backends(with_priority=True))
         return sdpa(*args, **kwargs)
 
-    results = []
-    for backend in ("sdpa", "cudnn"):
+    results = {}
+    for backend in ("auto", "efficient", "cudnn"):
         model = build(kind, gradient_checkpointing_ratio=1.0, use_gradient_checkpointing=True).train()
         model.set_attention_backend(backend)
-        firsts.clear()
+        seen.clear()
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
         outs = model(**inputs())
         sum(o.square().mean() for o in outs).backward()
         monkeypatch.undo()
-        results.append((outs, [p.grad for p in model.parameters()]))
-        expected = SDPBackend.CUDNN_ATTENTION if backend == "cudnn" else SDPBackend.FLASH_ATTENTION
-        blocks = len(model.blocks_in_order())
-        assert firsts == [expected] * (2 * 2 * blocks)  # 2 columns, forward + recomputation
-    assert _cur_sdpa_kernel_backends(with_priority=True)[0] == SDPBackend.FLASH_ATTENTION
-    for got, want in zip(results[1][0] + results[1][1], results[0][0] + results[0][1], strict=True):
-        assert torch.equal(got, want)
+        results[backend] = outs + [p.grad for p in model.parameters()]
+        assert len(seen) == 2 * 2 * len(model.blocks_in_order())  # 2 columns, forward + recomputation
+        for kernels in seen:
+            if backend == "auto":
+                assert kernels == outside
+            elif backend == "efficient":
+                assert SDPBackend.CUDNN_ATTENTION not in kernels and SDPBackend.EFFICIENT_ATTENTION in kernels
+            else:
+                assert kernels[0] == SDPBackend.CUDNN_ATTENTION
+        assert _cur_sdpa_kernel_backends(with_priority=True) == outside
+    for backend in ("efficient", "cudnn"):
+        for got, want in zip(results[backend], results["auto"], strict=True):
+            assert torch.equal(got, want)
     with pytest.raises(ConfigError, match="attention backend"):
         model.set_attention_backend("flex")

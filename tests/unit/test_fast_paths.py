@@ -68,10 +68,10 @@ def test_cuda_graphs_are_ignored_off_cuda():
     assert torch.equal(_sample(dit, "cpu", cuda_graphs=True), _sample(dit, "cpu"))
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "cudnn"])
+@pytest.mark.parametrize("attention", ["auto", "efficient", "cudnn"])
 def test_compiled_blocks_trace_once_for_every_token_count(attention: str):
-    """Compiled blocks sample what eager SDPA blocks sample, with either attention backend (``cudnn``: its
-    kernel-order context is traced into the blocks' graphs, no graph break)."""
+    """Compiled blocks sample what eager blocks sample, with every attention backend (the kernel-set
+    contexts of ``efficient`` and ``cudnn`` are traced into the blocks' graphs, no graph break)."""
     from torch._dynamo.utils import counters
 
     eager = tiny_dit()
@@ -229,11 +229,11 @@ def test_fused_add_bias_bf16_equals_pytorch(residual: bool) -> None:
 
 
 @gpu
-def test_cudnn_attention_on_cuda_matches_sdpa() -> None:
-    """``cudnn`` runs the DiT's masked attention on cuDNN's kernel (the memory-efficient one is not launched)
-    and matches the default kernel within bf16 rounding: a training forward + backward under bf16 autocast
-    with every block checkpointed (the recomputation must pick the forward's kernel), padded text, and a
-    video sampled with CUDA graphs."""
+def test_efficient_and_cudnn_attention_on_cuda_agree() -> None:
+    """``efficient`` runs the DiT's masked attention on the memory-efficient kernel and ``cudnn`` on cuDNN's
+    (neither launches the other), with the same results within bf16 rounding: a training forward + backward
+    under bf16 autocast with every block checkpointed (the recomputation must pick the forward's kernel),
+    padded text, and a video sampled with CUDA graphs."""
     head_64 = {"attention_head_dim": 64, "axes_dims_rope": [16, 24, 24]}  # miniFLUX's head width
     dit = tiny_dit(overrides=head_64).cuda()
     sampler_dit = tiny_dit(overrides=head_64).cuda().to(torch.bfloat16).eval()
@@ -257,7 +257,7 @@ def test_cudnn_attention_on_cuda_matches_sdpa() -> None:
         timestep_ratio=torch.tensor([900.0, 500.0, 300.0, 10.0]).cuda(),
     )
     results, kernels = {}, {}
-    for backend in ("sdpa", "cudnn"):
+    for backend in ("efficient", "cudnn"):
         dit.set_attention_backend(backend)
         sampler_dit.set_attention_backend(backend)
         dit.train().zero_grad(set_to_none=True)
@@ -270,9 +270,11 @@ def test_cudnn_attention_on_cuda_matches_sdpa() -> None:
         grads = [p.grad.clone() for p in dit.parameters()]
         latents = _sample(sampler_dit, "cuda", cuda_graphs=True, dtype=torch.bfloat16)
         results[backend] = ([o.detach().float() for o in outs], grads, latents.float())
-    assert any("fmha" in k for k in kernels["sdpa"]) and not any("cudnn" in k for k in kernels["sdpa"])
+    assert any("fmha" in k for k in kernels["efficient"]) and not any(
+        "cudnn" in k for k in kernels["efficient"]
+    )
     assert any("cudnn" in k for k in kernels["cudnn"]) and not any("fmha" in k for k in kernels["cudnn"])
-    (outs, grads, latents), (c_outs, c_grads, c_latents) = results["sdpa"], results["cudnn"]
+    (outs, grads, latents), (c_outs, c_grads, c_latents) = results["efficient"], results["cudnn"]
     for got, want in zip(c_outs + c_grads, outs + grads, strict=True):
         torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(c_latents, latents, rtol=3e-2, atol=3e-2)
