@@ -3,16 +3,20 @@
 One DiT column's attention (miniFLUX: 30 heads x 64, bf16) under pfctl's own masks
 (``build_attention_bias``: text padding + temporal causality), timed forward and forward+backward for
 
-* ``efficient``: SDPA's memory-efficient kernel with the additive mask (pfctl's default today);
+* ``efficient``: SDPA's memory-efficient kernel with the additive mask (pfctl's training default);
 * ``cudnn``: SDPA's cuDNN kernel with the same additive mask;
 * ``flex``: compiled FlexAttention with a block mask from the same rule (mask creation timed on its own:
   eager and compiled). pfctl had it as a backend until this benchmark measured it slower than cuDNN;
+* ``efficient`` / ``cudnn, row groups``: pfctl's ``skip_future_keys``: the query rows in groups of whole
+  frames, each against its causal key prefix only (the keys the mask hides from the whole group are
+  not computed);
 * ``flash (no mask)``: the flash kernel without any mask: not a result pfctl may use (it ignores the
   mask), the floor the masked kernels are measured against.
 
-Outputs of every masked kernel are compared with the efficient kernel's (bf16 rounding). Cases:
+Outputs of every masked kernel are compared with the first masked kernel's (the efficient one on CUDA). Cases:
 ``train`` is a 384p training column (two full-resolution frames after lower-resolution history),
-``gen768`` the last 768p sampling call (CFG batch 2, a full frame after the temporal-pyramid history).
+``gen768`` a synthetic large 768p sampling call (CFG batch 2, a full frame after lower-resolution
+history). ``dense TF/s`` counts every score, masked or skipped, so it compares wall times.
 
     python benchmarks/bench_attention.py --device cuda --json attention.json
 """
@@ -63,11 +67,22 @@ def sdpa(
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
 
+def grouped(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, backend: str, groups: list
+) -> torch.Tensor:
+    """pfctl's row-grouped attention (``[B, H, S, hd]`` in and out, like the SDPA calls it is timed against)."""
+    from pfctl.models.dit_common import masked_attention
+
+    heads = q.shape[1]
+    out = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bias, backend, groups)
+    return out.unflatten(-1, (heads, -1)).transpose(1, 2)
+
+
 def measure(case: str, device: torch.device, dtype: torch.dtype, repeats: int, flex: Callable) -> dict:
     from torch.nn.attention import SDPBackend
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from pfctl.models.dit_common import build_attention_bias, visibility_rules
+    from pfctl.models.dit_common import build_attention_bias, causal_row_groups, visibility_rules
 
     batch, frames = CASES[case]
     text_valid, frame_ids = layout(batch, frames, device)
@@ -87,6 +102,9 @@ def measure(case: str, device: torch.device, dtype: torch.dtype, repeats: int, f
         "flex": functools.partial(flex, q, k, v, block_mask=block_mask),
         "flash (no mask)": functools.partial(sdpa, q, k, v, None, SDPBackend.FLASH_ATTENTION),
     }
+    groups = causal_row_groups(TEXT_LEN, [(1, n, 1) for n in frames])
+    for backend in ("efficient", "cudnn"):  # pfctl's skip_future_keys: query-row groups, causal key prefixes
+        kernels[f"{backend}, row groups"] = functools.partial(grouped, q, k, v, bias, backend, groups)
     row = {"batch": batch, "tokens": size, "visible_share": float(bias.eq(0).float().mean()), "kernels": {}}
     dense_flop = 4 * batch * HEADS * size * size * HEAD_DIM  # forward, every score computed
     reference = None
@@ -99,14 +117,17 @@ def measure(case: str, device: torch.device, dtype: torch.dtype, repeats: int, f
         except Exception as exc:  # a kernel this GPU / shape does not support: say so, go on
             row["kernels"][name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
             continue
-        reference = out if reference is None else reference
-        err = float((out.float() - reference.float()).norm() / reference.float().norm())
+        err = None  # against the first masked kernel that ran (the flash row ignores the mask)
+        if not name.startswith("flash"):
+            reference = out if reference is None else reference
+            err = float((out.float() - reference.float()).norm() / reference.float().norm())
         row["kernels"][name] = {
             "fwd_ms": fwd * 1e3,
             "fwd_bwd_ms": both * 1e3,
             "fwd_tflops_dense": dense_flop / fwd / 1e12,
-            "rel_l2_vs_efficient": None if name.startswith("flash") else err,
+            "rel_l2_vs_first_masked": err,
         }
+    row["row_groups"] = groups
     for compiled in (False, True):
         make = functools.partial(
             create_block_mask, rule, batch, None, size, size, device=device, _compile=compiled
@@ -135,15 +156,15 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(results, indent=2))
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"\nmasked attention, {HEADS} heads x {HEAD_DIM}, {dtype}, {gpu}")
-    print(f"{'case':>7} {'kernel':>16} {'fwd ms':>8} {'fwd+bwd ms':>11} {'dense TF/s':>11} {'rel. L2':>8}")
+    print(f"{'case':>7} {'kernel':>22} {'fwd ms':>8} {'fwd+bwd ms':>11} {'dense TF/s':>11} {'rel. L2':>8}")
     for case, row in results.items():
         for name, r in row["kernels"].items():
             if "error" in r:
-                print(f"{case:>7} {name:>16}  {r['error']}")
+                print(f"{case:>7} {name:>22}  {r['error']}")
                 continue
-            err = "-" if r["rel_l2_vs_efficient"] is None else f"{r['rel_l2_vs_efficient']:.1e}"
+            err = "-" if r["rel_l2_vs_first_masked"] is None else f"{r['rel_l2_vs_first_masked']:.1e}"
             print(
-                f"{case:>7} {name:>16} {r['fwd_ms']:>8.2f} {r['fwd_bwd_ms']:>11.2f} "
+                f"{case:>7} {name:>22} {r['fwd_ms']:>8.2f} {r['fwd_bwd_ms']:>11.2f} "
                 f"{r['fwd_tflops_dense']:>11.0f} {err:>8}"
             )
         print(

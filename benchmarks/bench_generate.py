@@ -125,6 +125,7 @@ def main() -> None:
         choices=["auto", "efficient", "cudnn"],
         help="the DiT's attention backend",
     )
+    parser.add_argument("--skip-future-keys", action="store_true", help="generate.skip_future_keys")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
 
@@ -168,6 +169,7 @@ def main() -> None:
         f"generate.offload={str(args.offload).lower()}",
         f"generate.cuda_graphs={str(not args.no_cuda_graphs).lower()}",
         f"generate.attention={args.attention}",
+        f"generate.skip_future_keys={str(args.skip_future_keys).lower()}",
         "generate.seed=0",
     ]
     config = load_config(None, overrides)

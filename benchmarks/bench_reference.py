@@ -358,7 +358,7 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
 
     # --- pfctl, loading the same folder with its own code
     dit = load_dit_folder(folder / VARIANT, dtype=dtype, device=device).eval()
-    dit.set_attention_backend(args.attention or "auto")
+    dit.set_attention_backend(args.attention or "auto", args.skip_future_keys)
     if args.compile and cuda:
         dit.compile_blocks()  # the first timed run pays the compilation; the last one is reported
     vae = load_vae(str(folder / "causal_video_vae"), dtype=dtype, device=device)
@@ -419,6 +419,7 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
             "cuda_graphs": cuda and not args.no_cuda_graphs,
             "compile": cuda and args.compile,
             "attention": args.attention or "auto",
+            "skip_future_keys": args.skip_future_keys,
         },
         "reference": {
             "sample_s": ref_sample_s,
@@ -488,7 +489,7 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
     frames = args.temp or (16 if cuda else 4)
     group = 8 if cuda else 2
     latent_h, latent_w = (48, 80) if cuda else (8, 8)
-    compiled = cuda and any(v.endswith("+compile") for v in args.train_variants)
+    compiled = cuda and any("+compile" in v for v in args.train_variants)
     steps = args.steps or (8 if compiled else 6 if cuda else 3)
     warmup = min(3 if compiled else 2, steps - 1) if cuda else 1  # compiled: the first steps compile
     folder, dit_params, text = prepare_checkpoint(device, torch.float32, None)
@@ -576,9 +577,10 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
     mean_tokens = statistics.mean(tokens[timed])
     variants = {}
     for variant in args.train_variants:
-        attention, compiled = variant.split("+")[0], variant.endswith("+compile") and cuda
+        attention, *options = variant.split("+")
+        compiled = "compile" in options and cuda
         dit = load_dit_folder(folder / VARIANT, dtype=torch.float32, device=device).train()
-        dit.set_attention_backend(attention)
+        dit.set_attention_backend(attention, skip_future_keys="skip" in options)
         if compiled:
             torch._dynamo.reset()
             dit.compile_blocks()
@@ -604,6 +606,7 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
             "peak_gib": max((r[2] or 0.0) for r in runs) if cuda else None,
             "attention": attention,
             "compile": compiled,
+            "skip_future_keys": "skip" in options,
             "first_step_s": runs[0][1],
             "loss_relative_diff": diff,
             "speedup_step": ref_s / step_s,
@@ -635,7 +638,7 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
         f"AdamW, median of {steps - warmup} steps after {warmup} warm-up"
     )
     print(
-        f"{'':>18} {'step s':>8} {'img tok/s':>10} {'peak GiB':>9} {'first loss':>11} {'ratio':>7} {'rel. diff':>9}"
+        f"{'':>28} {'step s':>8} {'img tok/s':>10} {'peak GiB':>9} {'first loss':>11} {'ratio':>7} {'rel. diff':>9}"
     )
     rows = [("reference", result["reference"])] + [(f"pfctl {k}", v) for k, v in variants.items()]
     for name, r in rows:
@@ -643,7 +646,7 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
             f" {r['speedup_step']:>6.2f}x {r['loss_relative_diff'][0]:>9.1e}" if "speedup_step" in r else ""
         )
         print(
-            f"{name:>18} {r['step_s']:>8.3f} {mean_tokens / r['step_s']:>10.0f} {gib(r['peak_gib']):>9} "
+            f"{name:>28} {r['step_s']:>8.3f} {mean_tokens / r['step_s']:>10.0f} {gib(r['peak_gib']):>9} "
             f"{r['losses'][0]:>11.5f}{extra}"
         )
     for variant, r in variants.items():
@@ -691,19 +694,27 @@ def main() -> None:
         type=lambda v: v.split(","),
         default=None,
         help="train: pfctl variants timed against one reference run: efficient or cudnn (train.attention), each "
-        "optionally +compile, e.g. efficient,efficient+compile,cudnn+compile "
-        "(default: --attention, +compile with --compile)",
+        "optionally +compile (train.compile) and +skip (train.skip_future_keys), e.g. "
+        "efficient,efficient+compile,efficient+compile+skip (default: from --attention, --compile, --skip-future-keys)",
     )
+    parser.add_argument("--skip-future-keys", action="store_true", help="pfctl's DiT attention in row groups")
     parser.add_argument(
         "--profile", action="store_true", help="train, CUDA: kernel time by kind of one more step per variant"
     )
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
     if args.train_variants is None:
-        args.train_variants = [(args.attention or "efficient") + ("+compile" if args.compile else "")]
-    unknown = {v for v in args.train_variants if v.removesuffix("+compile") not in ("efficient", "cudnn")}
+        options = ["compile"] * args.compile + ["skip"] * args.skip_future_keys
+        args.train_variants = ["+".join([args.attention or "efficient", *options])]
+    unknown = {
+        v
+        for v in args.train_variants
+        if v.split("+")[0] not in ("efficient", "cudnn") or not set(v.split("+")[1:]) <= {"compile", "skip"}
+    }
     if unknown:
-        parser.error(f"--train-variants: unknown {sorted(unknown)} (efficient or cudnn, optionally +compile)")
+        parser.error(
+            f"--train-variants: unknown {sorted(unknown)} (efficient or cudnn, then +compile, +skip)"
+        )
     Reference, stubbed = import_reference(args.reference.resolve())
     device = torch.device(
         "cuda" if (args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())) else "cpu"

@@ -89,6 +89,7 @@ def main() -> None:
         "--attention", default="efficient", choices=["auto", "efficient", "cudnn"], help="train.attention"
     )
     parser.add_argument("--compile", action="store_true", help="train.compile (compiled DiT blocks)")
+    parser.add_argument("--skip-future-keys", action="store_true", help="train.skip_future_keys")
     args = parser.parse_args()
 
     import torch
@@ -127,6 +128,7 @@ def main() -> None:
             "train.gradient_checkpointing": args.gradient_checkpointing,
             "train.attention": args.attention,
             "train.compile": args.compile,
+            "train.skip_future_keys": args.skip_future_keys,
         }
         config = load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
         trainer = Trainer(config)
@@ -203,6 +205,7 @@ def main() -> None:
         ("gradient checkpointing", str(args.gradient_checkpointing)),
         ("attention", args.attention),
         ("compiled blocks", "yes" if args.compile else "no"),
+        ("skip future keys", "yes" if args.skip_future_keys else "no"),
         ("steps timed (warmup)", f"{steps} ({warmup})"),
         ("step time median / mean", f"{step_s * 1e3:.1f} ms / {mean_s * 1e3:.1f} ms"),
         ("steps/s", f"{1 / mean_s:.2f}"),

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite in one call (2x H200: single-GPU benchmarks on GPU 0, then the
 # 2-process sync-group run and the FSDP tests on both). Results: $OUT (or ./bench-out).
-# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgencudnn,gen768,gen768cudnn,attention]
+# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,gen768,gen768skip,attention]
 # (LAYOUTS=channels_last_unfused,channels_last picks the VAE layouts the vae steps time)
-# (TRAIN_VARIANTS=efficient,cudnn+compile picks the pfctl variants the trainvariants step times)
+# (TRAIN_VARIANTS=efficient,efficient+compile+skip picks the pfctl variants the trainvariants step times)
 # (reference: needs a Pyramid-Flow checkout in third_party/Pyramid-Flow and einops; not in the default list)
 set -uo pipefail
 OUT="${OUT:-bench-out}"; mkdir -p "$OUT"
@@ -45,22 +45,22 @@ case ",$STEPS," in *,refgen,*)
   CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py generate --compile --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_compile.json" 2>&1 | tee -a "$OUT/suite.log" | tail -8;;
 esac
 case ",$STEPS," in *,trainvariants,*)
-  echo "=== train step side by side with the reference: pfctl with the default / cuDNN attention kernel, eager / compiled blocks (GPU $GPU)"
-  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py train --train-variants "${TRAIN_VARIANTS:-efficient,cudnn,efficient+compile,cudnn+compile}" --profile --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_train_variants.json" 2>&1 | tee -a "$OUT/suite.log" | tail -14;;
+  echo "=== train step side by side with the reference: pfctl variants (attention kernel, compiled blocks, skip_future_keys) (GPU $GPU)"
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py train --train-variants "${TRAIN_VARIANTS:-efficient,efficient+compile,efficient+compile+skip,cudnn+compile}" --profile --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_train_variants.json" 2>&1 | tee -a "$OUT/suite.log" | tail -14;;
 esac
 case ",$STEPS," in *,attention,*)
   echo "=== masked attention kernels on the DiT's masks (GPU $GPU)"
   CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_attention.py --device cuda --json "$OUT/attention.json" 2>&1 | tee -a "$OUT/suite.log" | tail -12;;
 esac
-case ",$STEPS," in *,refgencudnn,*)
-  echo "=== generate 5 s 384p side by side with the reference, compiled blocks + cuDNN attention (GPU $GPU)"
-  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py generate --compile --attention cudnn --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_compile_cudnn.json" 2>&1 | tee -a "$OUT/suite.log" | tail -8;;
+case ",$STEPS," in *,refgenskip,*)
+  echo "=== generate 5 s 384p side by side with the reference, compiled blocks + skip_future_keys (GPU $GPU)"
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py generate --compile --skip-future-keys --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_compile_skip.json" 2>&1 | tee -a "$OUT/suite.log" | tail -8;;
 esac
-for att in sdpa cudnn; do
-  step=gen768; [ $att = cudnn ] && step=gen768cudnn
+for step in gen768 gen768skip; do
   case ",$STEPS," in *,$step,*)
-    echo "=== generate 5 s 768p, compiled blocks, attention $att (GPU $GPU)"
-    CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_generate.py --device cuda --resolution 768p --compile --decode-tile auto --attention $att --json "$OUT/gen768_$att.json" 2>&1 | tee -a "$OUT/suite.log" | tail -3;;
+    flags=(); [ $step = gen768skip ] && flags+=(--skip-future-keys)
+    echo "=== generate 5 s 768p, compiled blocks ${flags[*]} (GPU $GPU)"
+    CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_generate.py --device cuda --resolution 768p --compile --decode-tile auto "${flags[@]}" --json "$OUT/$step.json" 2>&1 | tee -a "$OUT/suite.log" | tail -3;;
   esac
 done
 case ",$STEPS," in *,verify2,*)

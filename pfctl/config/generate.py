@@ -144,6 +144,10 @@ class GenerateConfig(Section):
     leaves it to PyTorch, which on H100/H200 picks cuDNN's (the generate timings in
     benchmarks/RESULTS.md ran so); ``efficient`` the memory-efficient kernel; ``cudnn`` cuDNN's first.
     Same results within bf16 rounding; no effect on the CPU."""
+    skip_future_keys: bool = False
+    """Attend the query rows in groups of whole frames (~1k rows), each against the keys up to its last
+    frame only: the keys temporal causality hides are not computed (at 768p, 0.67 of the dense work).
+    Same results up to float rounding; the speed-up is not yet measured, so it is off by default."""
 
     @field_validator("num_inference_steps", "video_num_inference_steps")
     @classmethod

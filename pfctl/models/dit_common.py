@@ -538,21 +538,76 @@ def attention_dtype(hidden_states: torch.Tensor) -> torch.dtype:
 
 
 def masked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, backend: str = "auto"
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    backend: str = "auto",
+    row_groups: Sequence[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
     """Attention under one column's additive mask from :func:`build_attention_bias`; ``q, k, v [B, S, H, hd]``
     -> ``[B, Sq, H*hd]``.
 
     Every attention call of both DiTs goes through here, with the kernels of ``backend``
     (:func:`attention_kernels`). SDPA picks a fused kernel that accepts the mask (memory-efficient or cuDNN on
-    GPU, the flash-style CPU kernel), never one that would drop it.
+    GPU, the flash-style CPU kernel), never one that would drop it. With ``row_groups``
+    (:func:`causal_row_groups`) the query rows are attended group by group, each against the keys before its
+    end only: the keys temporal causality hides from the whole group are not computed at all.
     """
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, S, hd]
     if mask.dtype != q.dtype:  # a layout built for another dtype than the blocks run in
         mask = mask.to(q.dtype)
-    with attention_kernels(backend):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, Sq, hd]
+    if row_groups is not None:
+        out = _attention_by_row_groups(q, k, v, mask, backend, row_groups)
+    else:
+        with attention_kernels(backend):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, Sq, hd]
     return out.transpose(1, 2).flatten(2)  # [B, Sq, H*hd]
+
+
+@torch.compiler.disable  # inside compiled blocks: eager, so a new group layout never recompiles a block
+def _attention_by_row_groups(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    backend: str,
+    row_groups: Sequence[tuple[int, int]],
+) -> torch.Tensor:
+    """Rows ``[a, b)`` of the masked attention against keys ``[0, b)`` only, for each group; ``[B, H, S, hd]``.
+    Exact: every key at or after ``b`` is masked for every row of the group, so it adds exactly 0."""
+    with attention_kernels(backend):
+        outs = [
+            F.scaled_dot_product_attention(
+                q[:, :, a:b], k[:, :, :b], v[:, :, :b], attn_mask=mask[..., a:b, :b]
+            )
+            for a, b in row_groups
+        ]
+    return torch.cat(outs, dim=2)
+
+
+#: the fewest query rows a group of :func:`causal_row_groups` closes with (whole frames are added until it has
+#: them): 768p sampling computes 0.67 of the dense attention in 3.6 calls per column (benchmarks/RESULTS.md)
+ROW_GROUP_MIN_ROWS = 1024
+
+
+def causal_row_groups(
+    text_len: int, clip_grids: Sequence[tuple[int, int, int]], min_rows: int = ROW_GROUP_MIN_ROWS
+) -> list[tuple[int, int]]:
+    """Query-row groups ``[a, b)`` of one column's ``[text; image]`` sequence under temporal causality: each
+    closes at a frame boundary once it has ``min_rows`` rows, so no query in ``[a, b)`` may attend a key at or
+    after ``b`` (frames are in order; the text shares frame 0 with the first image frame, so the first group
+    holds both)."""
+    groups, start, end = [], 0, text_len
+    for t, h, w in clip_grids:
+        for _ in range(t):
+            end += h * w
+            if end - start >= min_rows:
+                groups.append((start, end))
+                start = end
+    if end > start:
+        groups.append((start, end))
+    return groups
 
 
 def attention_kernels(backend: str) -> contextlib.AbstractContextManager:
@@ -589,6 +644,12 @@ class PyramidLayout:
     attention_backend: str = "auto"  # the kernels that run the attention (:func:`attention_kernels`)
     rope: RotaryTable | None = None  # for the image tokens [N]
     joint_rope: RotaryTable | None = None  # for the [text_k; image_k] layout (text: identity)
+    row_groups: list[list[tuple[int, int]]] | None = None  # per column (:func:`causal_row_groups`), or None
+
+    def attend(self, column: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """:func:`masked_attention` of ``column`` ([text_k; image_k] tokens) with this call's mask and kernels."""
+        groups = None if self.row_groups is None else self.row_groups[column]
+        return masked_attention(q, k, v, self.attn_masks[column], self.attention_backend, groups)
 
     @property
     def joint_lengths(self) -> list[int]:
@@ -769,22 +830,14 @@ class DualStreamAttention(nn.Module):
 
         lengths, text_len = layout.image_lengths, layout.text_len
         image_out, text_out = [], []
-        for cq_col, ck_col, cv_col, qi, ki, vi, bias in zip(
-            cq,
-            ck,
-            cv,
-            q.split(lengths, 1),
-            k.split(lengths, 1),
-            v.split(lengths, 1),
-            layout.attn_masks,
-            strict=True,
+        for column, (cq_col, ck_col, cv_col, qi, ki, vi) in enumerate(
+            zip(cq, ck, cv, q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1), strict=True)
         ):
-            out = masked_attention(
+            out = layout.attend(
+                column,
                 torch.cat([cq_col, qi], dim=1),  # [Bc, L+n_k, H, hd]
                 torch.cat([ck_col, ki], dim=1),
                 torch.cat([cv_col, vi], dim=1),
-                bias,
-                layout.attention_backend,
             )  # [Bc, L+n_k, H*hd]
             text_part, image_part = out.split([text_len, qi.shape[1]], dim=1)
             text_out.append(text_part)
@@ -893,17 +946,30 @@ class BlockCheckpointing:
     gradient_checkpointing_ratio: float
     #: the attention kernels (:data:`ATTENTION_BACKENDS`), handed to the blocks in each forward's layout
     attention_backend: str = "auto"
+    #: attend query-row groups against their causal key prefix only (:func:`causal_row_groups`)
+    skip_future_keys: bool = False
 
     def blocks_in_order(self) -> list[tuple[str, nn.Module]]:  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def set_attention_backend(self, backend: str) -> None:
-        """Run attention with ``backend``: ``auto`` (default), ``efficient`` or ``cudnn`` (:func:`attention_kernels`)."""
+    def set_attention_backend(self, backend: str, skip_future_keys: bool = False) -> None:
+        """Run attention with ``backend``: ``auto`` (default), ``efficient`` or ``cudnn`` (:func:`attention_kernels`);
+        with ``skip_future_keys`` (temporal-causal models only) in row groups that skip the keys causality hides
+        (:func:`causal_row_groups`). Same results up to float rounding either way."""
         if backend not in ATTENTION_BACKENDS:
             raise ConfigError(
                 f"unknown attention backend {backend!r}", hint=f"use one of {', '.join(ATTENTION_BACKENDS)}"
             )
         self.attention_backend = backend
+        self.skip_future_keys = bool(skip_future_keys)
+
+    def attention_row_groups(
+        self, text_len: int, grids: Sequence[Sequence[tuple[int, int, int]]]
+    ) -> list[list[tuple[int, int]]] | None:
+        """The per-column row groups of one forward, or None (off, or no temporal causality to exploit)."""
+        if not (self.skip_future_keys and self.config.use_temporal_causal):
+            return None
+        return [causal_row_groups(text_len, col, ROW_GROUP_MIN_ROWS) for col in grids]
 
     def compile_blocks(self, backend: str = "inductor") -> None:
         """``torch.compile`` every transformer block in place, with dynamic shapes: one compiled graph per

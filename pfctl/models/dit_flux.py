@@ -47,7 +47,6 @@ from pfctl.models.dit_common import (
     gated_residual,
     init_reference_weights,
     layer_norm,
-    masked_attention,
     modulate_columns,
     note_flash_flag,
     rope_tables,
@@ -98,9 +97,9 @@ class FluxSingleAttention(nn.Module):
         q, k = apply_rope(q, layout.joint_rope), apply_rope(k, layout.joint_rope)
         lengths = layout.joint_lengths
         outs = [
-            masked_attention(qc, kc, vc, mask, layout.attention_backend)
-            for qc, kc, vc, mask in zip(
-                q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1), layout.attn_masks, strict=True
+            layout.attend(column, qc, kc, vc)
+            for column, (qc, kc, vc) in enumerate(
+                zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1), strict=True)
             )
         ]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
@@ -280,6 +279,7 @@ class PyramidFluxTransformer(BlockCheckpointing, ModelMixin, ConfigMixin):
             self.attention_backend,
             rope=rotary_table(cos, sin),
             joint_rope=rotary_table(*with_text_identity(cos, sin, image_lengths, text_len)),
+            row_groups=self.attention_row_groups(text_len, grids),
         )
 
     def forward(

@@ -320,6 +320,7 @@ class PyramidDiffusionMMDiT(BlockCheckpointing, ModelMixin, ConfigMixin):
             attn_masks,
             self.attention_backend,
             rope=rope,
+            row_groups=self.attention_row_groups(encoder_attention_mask.shape[1], grids),
         )
 
     def forward(

@@ -699,7 +699,7 @@ def run_generate(
 
     if offload:
         _move(dit, device)
-    dit.set_attention_backend(gen.attention)
+    dit.set_attention_backend(gen.attention, gen.skip_future_keys)
     if gen.compile:
         if device.type == "cuda":
             dit.compile_blocks()

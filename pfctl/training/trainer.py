@@ -402,7 +402,7 @@ class Trainer:
         #    the cache holds the text embeddings and latents, so no text encoder and no VAE exist here.
         self.model_name, model, self.base_model_path, self.model_info = build_model(self.config)
         check_cache_matches_model(self.cache, model)
-        model.set_attention_backend(cfg.attention)
+        model.set_attention_backend(cfg.attention, cfg.skip_future_keys)
         self.lora_targets = setup_lora(model, cfg, rt) if cfg.lora.enabled else None
         if cfg.compile:  # after LoRA: the compiled graphs then include the adapters
             if rt.device.type == "cuda":

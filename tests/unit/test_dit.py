@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -437,3 +438,69 @@ def test_attention_backends_set_the_sdpa_kernels_around_every_call(kind: str, mo
             assert torch.equal(got, want)
     with pytest.raises(ConfigError, match="attention backend"):
         model.set_attention_backend("flex")
+
+
+def test_causal_row_groups_skip_only_masked_keys() -> None:
+    """Every key a row group skips (at or after its end) is masked for every row of the group, under the real
+    mask with text padding; groups tile the sequence and close at frame boundaries after ``min_rows``."""
+    from pfctl.models.dit_common import MASKED, build_attention_bias, causal_row_groups
+
+    grids = [(1, 2, 3), (2, 4, 4), (3, 4, 4)]  # history clips, then the current clip: 6 frames
+    text_len = 5
+    text_valid = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    (bias,) = build_attention_bias(text_valid, [clip_frame_ids(grids, "cpu")], 1, True, torch.float32)
+    size = bias.shape[-1]
+    for min_rows in (1, 10, 20, 1000):
+        groups = causal_row_groups(text_len, grids, min_rows)
+        assert groups[0][0] == 0 and groups[-1][1] == size
+        assert all(a_end == b_start for (_, a_end), (b_start, _) in itertools.pairwise(groups))
+        frame_ends = {text_len + sum(t * h * w for t, h, w in grids[:j]) + f * h * w for j, (t, h, w) in
+                      enumerate(grids) for f in range(1, t + 1)}  # fmt: skip
+        assert {end for _, end in groups} <= frame_ends
+        assert all(end - start >= min_rows for start, end in groups[:-1])
+        for start, end in groups:
+            assert bool((bias[:, :, start:end, end:] == MASKED).all())
+    assert len(causal_row_groups(text_len, grids, 1)) == 6  # one group per frame; text joins frame 0
+    assert causal_row_groups(text_len, grids, 1000) == [(0, size)]
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_skip_future_keys_computes_the_same_attention(kind: str, monkeypatch) -> None:
+    """``skip_future_keys``: row-grouped attention gives the one-call outputs and gradients (float32, to
+    float rounding), checkpointed blocks included; models without temporal causality ignore it."""
+    import pfctl.models.dit_common as dc
+
+    monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", 8)  # several groups on these small columns
+    grouped, counts = dc._attention_by_row_groups, []
+
+    def counting(*args, **kwargs):
+        counts.append(len(args[-1]))
+        return grouped(*args, **kwargs)
+
+    monkeypatch.setattr(dc, "_attention_by_row_groups", counting)
+    args = long_inputs()
+    results = []
+    for skip in (False, True):
+        model = build(kind, gradient_checkpointing_ratio=0.5, use_gradient_checkpointing=True).train()
+        model.set_attention_backend("auto", skip_future_keys=skip)
+        outs = model(**clone_args(args))
+        sum(o.square().mean() for o in outs).backward()
+        results.append(outs + [p.grad for p in model.parameters()])
+        assert bool(counts) == skip and all(n > 2 for n in counts)
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    plain = build(kind, use_temporal_causal=False)
+    plain.set_attention_backend("auto", skip_future_keys=True)
+    assert plain.attention_row_groups(5, [[(2, 4, 4)]]) is None
+
+
+def long_inputs(seed: int = 3) -> dict:
+    """Like :func:`inputs` with longer columns (several frames of 16 tokens after the history)."""
+    args = inputs(seed)
+    gen = torch.Generator().manual_seed(seed)
+
+    def clip(t: int, h: int, w: int) -> torch.Tensor:
+        return torch.randn(2, LATENT_C, t, h, w, generator=gen)
+
+    args["sample"] = [[clip(1, 8, 8), clip(3, 8, 8)], [clip(1, 4, 4), clip(2, 8, 8), clip(3, 8, 8)]]
+    return args

@@ -88,6 +88,27 @@ def test_compiled_blocks_trace_once_for_every_token_count(attention: str):
     torch._dynamo.reset()
 
 
+def test_compiled_blocks_with_skip_future_keys_sample_like_eager(monkeypatch):
+    """Row-grouped attention runs eagerly inside compiled blocks (their only graph break: group layouts are
+    not traced into the blocks' graphs); the samples are the eager ones."""
+    from torch._dynamo.utils import counters
+
+    import pfctl.models.dit_common as dc
+
+    monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", 8)  # several groups per call at these sizes
+    eager, compiled = tiny_dit(), tiny_dit()
+    for dit in (eager, compiled):
+        dit.set_attention_backend("auto", skip_future_keys=True)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled.compile_blocks(backend="aot_eager")
+    torch.testing.assert_close(_sample(compiled, "cpu"), _sample(eager, "cpu"), rtol=1e-5, atol=1e-6)
+    assert counters["graph_break"] and all(
+        "_attention_by_row_groups" in reason for reason in counters["graph_break"]
+    )
+    torch._dynamo.reset()
+
+
 @gpu
 @torch.no_grad()
 def test_stage_graph_replays_the_eager_result():
@@ -229,11 +250,14 @@ def test_fused_add_bias_bf16_equals_pytorch(residual: bool) -> None:
 
 
 @gpu
-def test_efficient_and_cudnn_attention_on_cuda_agree() -> None:
+def test_attention_settings_on_cuda_agree(monkeypatch) -> None:
     """``efficient`` runs the DiT's masked attention on the memory-efficient kernel and ``cudnn`` on cuDNN's
-    (neither launches the other), with the same results within bf16 rounding: a training forward + backward
-    under bf16 autocast with every block checkpointed (the recomputation must pick the forward's kernel),
-    padded text, and a video sampled with CUDA graphs."""
+    (neither launches the other); with ``skip_future_keys`` in row groups. All give the same results within
+    bf16 rounding: a training forward + backward under bf16 autocast with every block checkpointed (the
+    recomputation must pick the forward's kernel), padded text, and a video sampled with CUDA graphs."""
+    import pfctl.models.dit_common as dc
+
+    monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", 64)  # several groups per column at these sizes
     head_64 = {"attention_head_dim": 64, "axes_dims_rope": [16, 24, 24]}  # miniFLUX's head width
     dit = tiny_dit(overrides=head_64).cuda()
     sampler_dit = tiny_dit(overrides=head_64).cuda().to(torch.bfloat16).eval()
@@ -257,27 +281,30 @@ def test_efficient_and_cudnn_attention_on_cuda_agree() -> None:
         timestep_ratio=torch.tensor([900.0, 500.0, 300.0, 10.0]).cuda(),
     )
     results, kernels = {}, {}
-    for backend in ("efficient", "cudnn"):
-        dit.set_attention_backend(backend)
-        sampler_dit.set_attention_backend(backend)
+    for setting in ("efficient", "cudnn", "cudnn+skip"):
+        backend, skip = setting.split("+")[0], setting.endswith("+skip")
+        dit.set_attention_backend(backend, skip)
+        sampler_dit.set_attention_backend(backend, skip)
         dit.train().zero_grad(set_to_none=True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             with torch.autocast("cuda", torch.bfloat16):
                 outs = dit(**args)
             sum(o.float().square().mean() for o in outs).backward()
             torch.cuda.synchronize()
-        kernels[backend] = {e.name.lower() for e in prof.events()}
+        kernels[setting] = {e.name.lower() for e in prof.events()}
         grads = [p.grad.clone() for p in dit.parameters()]
         latents = _sample(sampler_dit, "cuda", cuda_graphs=True, dtype=torch.bfloat16)
-        results[backend] = ([o.detach().float() for o in outs], grads, latents.float())
+        results[setting] = ([o.detach().float() for o in outs], grads, latents.float())
     assert any("fmha" in k for k in kernels["efficient"]) and not any(
         "cudnn" in k for k in kernels["efficient"]
     )
     assert any("cudnn" in k for k in kernels["cudnn"]) and not any("fmha" in k for k in kernels["cudnn"])
-    (outs, grads, latents), (c_outs, c_grads, c_latents) = results["efficient"], results["cudnn"]
-    for got, want in zip(c_outs + c_grads, outs + grads, strict=True):
-        torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
-    torch.testing.assert_close(c_latents, latents, rtol=3e-2, atol=3e-2)
+    outs, grads, latents = results["efficient"]
+    for setting in ("cudnn", "cudnn+skip"):
+        s_outs, s_grads, s_latents = results[setting]
+        for got, want in zip(s_outs + s_grads, outs + grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
+        torch.testing.assert_close(s_latents, latents, rtol=3e-2, atol=3e-2)
 
 
 @gpu
