@@ -294,25 +294,24 @@ def test_gradient_checkpointing_recomputes_exactly_those_blocks_and_matches(kind
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora", [False, True])
-def test_compiled_blocks_train_like_eager_blocks(lora: bool) -> None:
+def test_compiled_blocks_train_like_eager_blocks() -> None:
     """``train.compile``: compiled blocks (traced with ``aot_eager``: dynamo capture and AOT autograd's
-    backward without code generation) give the eager forward and gradients, checkpointed blocks included;
-    with LoRA adapters (compiled after they are injected, as the trainer does) only the adapters train.
-    Flux only: it has both block types (the MMDiT's are Flux's double-stream kind); ~35 s of tracing each."""
+    backward without code generation) give the eager forward and gradients, checkpointed blocks included,
+    with LoRA adapters injected before compiling (as the trainer does). One ~50 s trace covers both kinds
+    of fine-tuning: base weights and adapters all train here. Flux only: it has both block types (the
+    MMDiT's share Flux's dual-stream block)."""
     from pfctl.models.lora import add_lora
 
-    args, kind = inputs(), "flux"
-    models = []
+    args, models = inputs(), []
     for _ in range(2):
-        model = build(kind, gradient_checkpointing_ratio=0.5, use_gradient_checkpointing=True).train()
-        if lora:
-            torch.manual_seed(0)  # the same adapter init in both models
-            add_lora(model, rank=2, alpha=2, targets=["attn.to_q", "attn.to_out.0", "ff.net.2"])
-            with torch.no_grad():  # B starts at 0: make the adapters matter
-                for name, p in model.named_parameters():
-                    if "lora_B" in name:
-                        p.copy_(torch.linspace(-0.1, 0.1, p.numel()).view_as(p))
+        model = build("flux", gradient_checkpointing_ratio=0.5, use_gradient_checkpointing=True).train()
+        torch.manual_seed(0)  # the same adapter init in both models
+        add_lora(model, rank=2, alpha=2, targets=["attn.to_q", "attn.to_out.0", "ff.net.2"])
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.requires_grad_(True)  # the base trains too
+                if "lora_B" in name:  # B starts at 0: make the adapters matter
+                    p.copy_(torch.linspace(-0.1, 0.1, p.numel()).view_as(p))
         models.append(model)
     eager, compiled = models
     torch._dynamo.reset()
@@ -321,12 +320,12 @@ def test_compiled_blocks_train_like_eager_blocks(lora: bool) -> None:
     for model in (eager, compiled):
         outs = model(**clone_args(args))
         sum(o.square().mean() for o in outs).backward()
-        results.append((outs, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+        results.append((outs, {n: p.grad for n, p in model.named_parameters()}))
     torch._dynamo.reset()
     for a, b in zip(results[0][0], results[1][0], strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     assert results[1][1].keys() == results[0][1].keys()
-    assert all(".lora_" in name for name in results[0][1]) == lora and results[0][1]
+    assert any(".lora_B" in name for name in results[0][1])
     for name, grad in results[0][1].items():
         torch.testing.assert_close(results[1][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
 

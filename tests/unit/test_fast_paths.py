@@ -68,10 +68,10 @@ def test_cuda_graphs_are_ignored_off_cuda():
     assert torch.equal(_sample(dit, "cpu", cuda_graphs=True), _sample(dit, "cpu"))
 
 
-@pytest.mark.parametrize("attention", ["auto", "efficient", "cudnn"])
+@pytest.mark.parametrize("attention", ["auto", "cudnn"])
 def test_compiled_blocks_trace_once_for_every_token_count(attention: str):
-    """Compiled blocks sample what eager blocks sample, with every attention backend (the kernel-set
-    contexts of ``efficient`` and ``cudnn`` are traced into the blocks' graphs, no graph break)."""
+    """Compiled blocks sample what eager blocks sample, with and without a kernel-set context (``cudnn``'s;
+    ``efficient``'s is the same call) traced into the blocks' graphs: no graph break."""
     from torch._dynamo.utils import counters
 
     eager = tiny_dit()
