@@ -38,7 +38,6 @@ from pfctl.models.dit_common import (
     TimestepTextEmbedding,
     apply_rope,
     attention_dtype,
-    build_attention_bias,
     by_column,
     check_forward_inputs,
     check_ratio,
@@ -49,6 +48,7 @@ from pfctl.models.dit_common import (
     layer_norm,
     modulate_columns,
     note_flash_flag,
+    padded_attention_bias,
     rope_tables,
     rotary_table,
     with_text_identity,
@@ -263,7 +263,7 @@ class PyramidFluxTransformer(BlockCheckpointing, ModelMixin, ConfigMixin):
         positions = torch.cat([self._positions(col, device) for col in grids], dim=0)  # [N, 3]
         cos, sin = rope_tables(positions, self.config.axes_dims_rope)  # 2 x [N, hd/2]
         text_len = encoder_attention_mask.shape[1]
-        attn_masks = build_attention_bias(
+        attn_masks = padded_attention_bias(
             encoder_attention_mask != 0,
             [clip_frame_ids(col, device) for col in grids],
             len(grids),

@@ -41,13 +41,13 @@ from pfctl.models.dit_common import (
     PyramidLayout,
     TimestepTextEmbedding,
     attention_dtype,
-    build_attention_bias,
     check_forward_inputs,
     check_ratio,
     clip_frame_ids,
     final_layer,
     init_reference_weights,
     note_flash_flag,
+    padded_attention_bias,
     rope_tables,
     rotary_table,
 )
@@ -300,7 +300,7 @@ class PyramidDiffusionMMDiT(BlockCheckpointing, ModelMixin, ConfigMixin):
         text_valid = encoder_attention_mask != 0
         if not self.config.use_t5_mask:
             text_valid = torch.ones_like(text_valid)
-        attn_masks = build_attention_bias(
+        attn_masks = padded_attention_bias(
             text_valid,
             frame_ids,
             len(grids),
