@@ -165,7 +165,8 @@ class TrainConfig(Section):
     norms, RoPE, modulation and residuals around the matmuls, forward and backward; the first step pays
     the compilation (~70 s). Weights and checkpoint keys are unchanged. On an H200 the miniFLUX DiT step
     on the reference's inputs goes from 0.235 to 0.186 s (1.43x to 1.81x the reference's, same run);
-    the whole trainer with it is not yet measured (benchmarks/RESULTS.md)."""
+    the whole trainer with it is not yet measured on a GPU (on the CPU its blocks trace once per block
+    type across changing layouts: benchmarks/RESULTS.md)."""
 
     # --- checkpoints ----------------------------------------------------------------------------
     checkpoint_every: int = Field(default=1000, ge=1)
