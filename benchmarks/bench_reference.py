@@ -583,7 +583,7 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
         dit.set_attention_backend(attention, skip_future_keys="skip" in options)
         if compiled:
             torch._dynamo.reset()
-            dit.compile_blocks()
+            dit.compile_blocks(independent_sizes=True)  # as the trainer compiles them
         opt = build_optimizer(dit, TrainConfig(**optimizer_args))
 
         def pfctl_step(i: int, dit=dit, opt=opt) -> float:

@@ -510,7 +510,7 @@ def padded_attention_bias(
     with dynamic shapes then sees one contiguous input of two free sizes for every token count, where the
     strided views would give it a new stride pattern to specialise on whenever ``S`` is or is not a
     multiple of 8. Measured on the CPU (tiny preset, 24 trainer steps, compiled blocks): 13 graphs for the
-    2 block types with the views, 3 with these and duck shaping off (:meth:`BlockCheckpointing.compile_blocks`)."""
+    2 block types with the views, 3 with these and ``compile_blocks(independent_sizes=True)``."""
     biases = []
     for bc, size, rule in visibility_rules(text_valid, frame_ids, num_columns, temporal_causal):
         idx = torch.arange(size, device=text_valid.device)
@@ -995,20 +995,24 @@ class BlockCheckpointing:
             return None
         return [causal_row_groups(text_len, col, ROW_GROUP_MIN_ROWS) for col in grids]
 
-    def compile_blocks(self, backend: str = "inductor") -> None:
+    def compile_blocks(self, backend: str = "inductor", *, independent_sizes: bool = False) -> None:
         """``torch.compile`` every transformer block in place, with dynamic shapes: one compiled graph per
         block type serves every token count (the pyramid changes it every call), and the state-dict keys
-        stay as they are. Fuses the elementwise work around the matmuls (norms, RoPE, modulation)."""
+        stay as they are. Fuses the elementwise work around the matmuls (norms, RoPE, modulation).
+
+        ``independent_sizes`` (training): sizes that happen to be equal when a block is traced are not
+        assumed to stay equal (PyTorch's "duck shaping" off, for the whole process), so columns whose token
+        counts change independently every step do not recompile the blocks. Measured on the CPU over 24
+        trainer steps: 5 graphs with duck shaping, 3 without; tracing takes ~1.5x as long."""
         import torch._inductor.config as inductor_config
-        import torch.fx.experimental._config as shape_config
 
         # inductor's coalescing analysis (a tiling heuristic: speed, not results) asserted on dynamic-shape
         # kernels of these blocks with torch 2.11 on the H200; the measured generate runs have it off
         inductor_config.triton.coalesce_tiling_analysis = False
-        # "duck shaping" gives sizes that happen to be equal when a block is traced one symbol, so the next
-        # call where they differ recompiles; a training run's columns change sizes independently every step
-        # (measured on the CPU: 5 graphs over 24 trainer steps with it, 3 without)
-        shape_config.use_duck_shape = False
+        if independent_sizes:
+            import torch.fx.experimental._config as shape_config
+
+            shape_config.use_duck_shape = False
         for _, block in self.blocks_in_order():
             block.compile(dynamic=True, backend=backend)
 

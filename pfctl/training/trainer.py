@@ -406,7 +406,7 @@ class Trainer:
         self.lora_targets = setup_lora(model, cfg, rt) if cfg.lora.enabled else None
         if cfg.compile:  # after LoRA: the compiled graphs then include the adapters
             if rt.device.type == "cuda":
-                model.compile_blocks()
+                model.compile_blocks(independent_sizes=True)  # column sizes change independently every step
             else:
                 pflog.log("train.compile is ignored on the CPU")
         self.resume_from = ckpt.resolve_resume(cfg.resume, self.out / "checkpoints")

@@ -509,29 +509,34 @@ def long_inputs(seed: int = 3) -> dict:
 def test_compiled_blocks_keep_one_graph_per_block_type_across_training_layouts() -> None:
     """Columns whose token counts change independently (as a training run's do every step) must not
     recompile the blocks: the layout hands them contiguous padded masks (no stride pattern to specialise
-    on) and compile_blocks turns duck shaping off (no equality between sizes that happen to match)."""
+    on) and ``independent_sizes`` turns duck shaping off (no equality between sizes that happen to match)."""
+    import torch.fx.experimental._config as shape_config
     from torch._dynamo.utils import counters
 
-    model = build("flux")
-    torch._dynamo.reset()
-    counters.clear()
-    model.compile_blocks(backend="eager")  # guards and graphs as with inductor, nothing generated
-    gen = torch.Generator().manual_seed(0)
-    for frames in [
-        (1, 2),
-        (3, 2),
-        (2, 2),
-        (4, 1),
-        (1, 3),
-    ]:  # S = 4 + 4t: multiples of 8 and not, equal and not
-        args = inputs(text_len=4)
-        args["sample"] = [
-            [
-                torch.randn(2, LATENT_C, 1, 4, 4, generator=gen),
-                torch.randn(2, LATENT_C, t, 4, 4, generator=gen),
+    duck_shape = shape_config.use_duck_shape  # process-wide: restored for the other tests
+    try:
+        model = build("flux")
+        torch._dynamo.reset()
+        counters.clear()
+        model.compile_blocks(backend="eager", independent_sizes=True)  # guards and graphs as with inductor
+        gen = torch.Generator().manual_seed(0)
+        for frames in [
+            (1, 2),
+            (3, 2),
+            (2, 2),
+            (4, 1),
+            (1, 3),
+        ]:  # S = 4 + 4t: multiples of 8 or not, equal or not
+            args = inputs(text_len=4)
+            args["sample"] = [
+                [
+                    torch.randn(2, LATENT_C, 1, 4, 4, generator=gen),
+                    torch.randn(2, LATENT_C, t, 4, 4, generator=gen),
+                ]
+                for t in frames
             ]
-            for t in frames
-        ]
-        run(model, args)
-    assert counters["stats"]["unique_graphs"] == 2
-    torch._dynamo.reset()
+            run(model, args)
+        assert counters["stats"]["unique_graphs"] == 2
+    finally:
+        shape_config.use_duck_shape = duck_shape
+        torch._dynamo.reset()

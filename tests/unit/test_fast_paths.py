@@ -68,15 +68,14 @@ def test_cuda_graphs_are_ignored_off_cuda():
     assert torch.equal(_sample(dit, "cpu", cuda_graphs=True), _sample(dit, "cpu"))
 
 
-@pytest.mark.parametrize("attention", ["auto", "cudnn"])
-def test_compiled_blocks_trace_once_for_every_token_count(attention: str):
-    """Compiled blocks sample what eager blocks sample, with and without a kernel-set context (``cudnn``'s;
-    ``efficient``'s is the same call) traced into the blocks' graphs: no graph break."""
+def test_compiled_blocks_trace_once_for_every_token_count():
+    """Compiled blocks sample what eager blocks sample, with one graph per block type for every stage shape
+    (the ``cudnn`` kernel-set context traced into the blocks' graphs: no graph break)."""
     from torch._dynamo.utils import counters
 
     eager = tiny_dit()
     compiled = tiny_dit()
-    compiled.set_attention_backend(attention)
+    compiled.set_attention_backend("cudnn")
     torch._dynamo.reset()
     counters.clear()
     compiled.compile_blocks(backend="aot_eager")
@@ -101,7 +100,7 @@ def test_compiled_blocks_with_skip_future_keys_sample_like_eager(monkeypatch):
         dit.set_attention_backend("auto", skip_future_keys=True)
     torch._dynamo.reset()
     counters.clear()
-    compiled.compile_blocks(backend="aot_eager")
+    compiled.compile_blocks(backend="eager")  # dynamo's capture and graph breaks, no AOT tracing
     torch.testing.assert_close(_sample(compiled, "cpu"), _sample(eager, "cpu"), rtol=1e-5, atol=1e-6)
     assert counters["graph_break"] and all(
         "_attention_by_row_groups" in reason for reason in counters["graph_break"]
