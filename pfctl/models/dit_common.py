@@ -662,9 +662,8 @@ class PyramidLayout:
     batch: int  # Bc, items per column
     text_len: int  # L
     image_lengths: list[int]  # n_k: image tokens of column k (all clips)
-    attn_masks: list[
-        torch.Tensor
-    ]  # per column: [Bc, 1, L+n_k, R] additive (0 / MASKED), padded_attention_bias
+    # per column: [Bc, 1, L+n_k, R] additive (0 / MASKED), from padded_attention_bias
+    attn_masks: list[torch.Tensor]
     attention_backend: str = "auto"  # the kernels that run the attention (:func:`attention_kernels`)
     rope: RotaryTable | None = None  # for the image tokens [N]
     joint_rope: RotaryTable | None = None  # for the [text_k; image_k] layout (text: identity)
