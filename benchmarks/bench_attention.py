@@ -7,13 +7,17 @@ One DiT column's attention (miniFLUX: 30 heads x 64, bf16) under pfctl's own mas
 * ``cudnn``: SDPA's cuDNN kernel with the same additive mask;
 * ``flex``: compiled FlexAttention with a block mask from the same rule (mask creation timed on its own:
   eager and compiled). pfctl had it as a backend until this benchmark measured it slower than cuDNN;
-* ``efficient`` / ``cudnn, row groups``: pfctl's ``skip_future_keys``: the query rows in groups of whole
-  frames, each against its causal key prefix only (the keys the mask hides from the whole group are
-  not computed);
-* ``flash (no mask)``: the flash kernel without any mask: not a result pfctl may use (it ignores the
-  mask), the floor the masked kernels are measured against.
+* ``efficient`` / ``cudnn, row groups``: pfctl's ``skip_future_keys`` without the text lengths: the
+  query rows in groups of whole frames, each against its causal key prefix only (the keys the mask hides
+  from the whole group are not computed);
+* ``efficient`` / ``cudnn, groups no mask``: ``skip_future_keys`` as the sampler and trainer run it, text
+  lengths known: a group of one frame attends its items' valid text and the frames up to its own with no
+  mask at all (one call per item here: the two items' texts differ in length);
+* ``flash`` / ``cudnn (no mask)``: the kernels without any mask: not a result pfctl may use (they ignore
+  the mask), the floor the masked kernels are measured against.
 
-Outputs of every masked kernel are compared with the first masked kernel's (the efficient one on CUDA). Cases:
+The text is left-aligned (as pfctl's ``left_align_text`` leaves it), item 0 with 24 valid tokens and
+item 1 with 1 (a prompt and the empty negative prompt). Outputs of every masked kernel are compared with the first masked kernel's (the efficient one on CUDA). Cases:
 ``train`` is a 384p training column (two full-resolution frames after lower-resolution history),
 ``gen768`` a synthetic large 768p sampling call (CFG batch 2, a full frame after lower-resolution
 history). ``dense TF/s`` counts every score, masked or skipped, so it compares wall times.
@@ -32,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-HEADS, HEAD_DIM, TEXT_LEN, TEXT_VALID = 30, 64, 128, 24
+HEADS, HEAD_DIM, TEXT_LEN, TEXT_VALID = 30, 64, 128, (24, 1)
 CASES = {  # name: (batch, image tokens per frame in temporal order; the last frame is the current one)
     "train": (2, [60, 240, 240, 960, 960]),
     "gen768": (2, [240] * 4 + [960] * 4 + [3840, 3840]),
@@ -41,7 +45,8 @@ CASES = {  # name: (batch, image tokens per frame in temporal order; the last fr
 
 def layout(batch: int, frames: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     text_valid = torch.zeros(batch, TEXT_LEN, dtype=torch.bool, device=device)
-    text_valid[:, :TEXT_VALID] = True
+    for item in range(batch):
+        text_valid[item, TEXT_LEN - TEXT_VALID[item % len(TEXT_VALID)] :] = True
     frame_ids = torch.cat([torch.full((n,), i + 1, device=device) for i, n in enumerate(frames)])
     return text_valid, frame_ids
 
@@ -101,10 +106,17 @@ def measure(case: str, device: torch.device, dtype: torch.dtype, repeats: int, f
         "cudnn": functools.partial(sdpa, q, k, v, bias, SDPBackend.CUDNN_ATTENTION),
         "flex": functools.partial(flex, q, k, v, block_mask=block_mask),
         "flash (no mask)": functools.partial(sdpa, q, k, v, None, SDPBackend.FLASH_ATTENTION),
+        "cudnn (no mask)": functools.partial(sdpa, q, k, v, None, SDPBackend.CUDNN_ATTENTION),
     }
-    groups = causal_row_groups(TEXT_LEN, [(1, n, 1) for n in frames])
+    grids = [(1, n, 1) for n in frames]
+    starts = [TEXT_LEN - int(text_valid[item].sum()) for item in range(batch)]
+    groups = causal_row_groups(TEXT_LEN, grids)
+    plain_groups = causal_row_groups(TEXT_LEN, grids, key_starts=starts)
     for backend in ("efficient", "cudnn"):  # pfctl's skip_future_keys: query-row groups, causal key prefixes
         kernels[f"{backend}, row groups"] = functools.partial(grouped, q, k, v, bias, backend, groups)
+        kernels[f"{backend}, groups no mask"] = functools.partial(
+            grouped, q, k, v, bias, backend, plain_groups
+        )
     row = {"batch": batch, "tokens": size, "visible_share": float(bias.eq(0).float().mean()), "kernels": {}}
     dense_flop = 4 * batch * HEADS * size * size * HEAD_DIM  # forward, every score computed
     reference = None
@@ -118,7 +130,7 @@ def measure(case: str, device: torch.device, dtype: torch.dtype, repeats: int, f
             row["kernels"][name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
             continue
         err = None  # against the first masked kernel that ran (the flash row ignores the mask)
-        if not name.startswith("flash"):
+        if "(no mask)" not in name:
             reference = out if reference is None else reference
             err = float((out.float() - reference.float()).norm() / reference.float().norm())
         row["kernels"][name] = {
@@ -127,7 +139,7 @@ def measure(case: str, device: torch.device, dtype: torch.dtype, repeats: int, f
             "fwd_tflops_dense": dense_flop / fwd / 1e12,
             "rel_l2_vs_first_masked": err,
         }
-    row["row_groups"] = groups
+    row["row_groups"] = [list(g) for g in plain_groups]
     for compiled in (False, True):
         make = functools.partial(
             create_block_mask, rule, batch, None, size, size, device=device, _compile=compiled
@@ -156,15 +168,15 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(results, indent=2))
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"\nmasked attention, {HEADS} heads x {HEAD_DIM}, {dtype}, {gpu}")
-    print(f"{'case':>7} {'kernel':>22} {'fwd ms':>8} {'fwd+bwd ms':>11} {'dense TF/s':>11} {'rel. L2':>8}")
+    print(f"{'case':>7} {'kernel':>26} {'fwd ms':>8} {'fwd+bwd ms':>11} {'dense TF/s':>11} {'rel. L2':>8}")
     for case, row in results.items():
         for name, r in row["kernels"].items():
             if "error" in r:
-                print(f"{case:>7} {name:>22}  {r['error']}")
+                print(f"{case:>7} {name:>26}  {r['error']}")
                 continue
             err = "-" if r["rel_l2_vs_first_masked"] is None else f"{r['rel_l2_vs_first_masked']:.1e}"
             print(
-                f"{case:>7} {name:>22} {r['fwd_ms']:>8.2f} {r['fwd_bwd_ms']:>11.2f} "
+                f"{case:>7} {name:>26} {r['fwd_ms']:>8.2f} {r['fwd_bwd_ms']:>11.2f} "
                 f"{r['fwd_tflops_dense']:>11.0f} {err:>8}"
             )
         print(

@@ -481,6 +481,7 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
     from pfctl.config.train import TrainConfig
     from pfctl.flow.loss import flow_matching_loss
     from pfctl.models.checkpoint import load_dit_folder
+    from pfctl.models.dit_common import right_padded_lengths
     from pfctl.training.optim import build_optimizer
 
     cuda = device.type == "cuda"
@@ -575,6 +576,8 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
     timed = slice(warmup, None)
     ref_s = statistics.median(r[1] for r in ref_runs[timed])
     mean_tokens = statistics.mean(tokens[timed])
+    # what the trainer reads on the host before the copy (train.skip_future_keys): the text rows' lengths
+    text_lengths = [{"text_lengths": right_padded_lengths(r["encoder_attention_mask"])} for r in inputs]
     variants = {}
     for variant in args.train_variants:
         attention, *options = variant.split("+")
@@ -586,9 +589,9 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
             dit.compile_blocks(independent_sizes=True)  # as the trainer compiles them
         opt = build_optimizer(dit, TrainConfig(**optimizer_args))
 
-        def pfctl_step(i: int, dit=dit, opt=opt) -> float:
+        def pfctl_step(i: int, dit=dit, opt=opt, skip="skip" in options) -> float:
             with autocast(device):
-                preds = dit(**inputs[i])
+                preds = dit(**inputs[i], **(text_lengths[i] if skip else {}))
                 loss = flow_matching_loss(preds, targets[i]).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(dit.parameters(), 1.0)

@@ -157,9 +157,10 @@ class TrainConfig(Section):
     steps measured on an H200 in the whole trainer) though its kernel alone is 2.6x faster;
     ``auto`` PyTorch's choice (cuDNN on H100/H200). Same loss within bf16 rounding; no effect on the CPU."""
     skip_future_keys: bool = False
-    """Attend the query rows in groups of whole frames (~1k rows), each against the keys up to its last
-    frame only, so the keys temporal causality hides are not computed, forward or backward. Same loss up
-    to float rounding; the speed-up is not yet measured, so it is off by default."""
+    """Attend the query rows in groups of whole frames (~1k rows; a frame that large alone), each against
+    the keys up to its last frame only, so the keys temporal causality hides are not computed, forward or
+    backward. The text padding is cut, and a single frame's rows attend with no mask at all. Same loss up
+    to float rounding."""
     compile: bool = False
     """``torch.compile`` each DiT block (dynamic shapes, CUDA only; ignored on the CPU): fuses the
     norms, RoPE, modulation and residuals around the matmuls, forward and backward; the first step pays

@@ -244,6 +244,8 @@ class TrainBatch:
     replaced: dict[int, list[str]]
     bucket: tuple[int, int, int]
     epoch: int
+    #: valid tokens of each text row, read on the host before the copy to the device (``train.skip_future_keys``)
+    text_lengths: list[int] | None = None
 
 
 def unbatch(t: torch.Tensor, ndim: int) -> torch.Tensor:

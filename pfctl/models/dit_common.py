@@ -23,10 +23,12 @@ to ~1e-7; nothing here reads the environment or touches torch.distributed.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -563,7 +565,7 @@ def masked_attention(
     v: torch.Tensor,
     mask: torch.Tensor,
     backend: str = "auto",
-    row_groups: Sequence[tuple[int, int]] | None = None,
+    row_groups: Sequence[RowGroup] | None = None,
 ) -> torch.Tensor:
     """Attention under one column's additive mask from :func:`build_attention_bias` (or the padded storage of
     :func:`padded_attention_bias`: only its first ``S`` key columns are used); ``q, k, v [B, S, H, hd]`` ->
@@ -594,42 +596,112 @@ def _attention_by_row_groups(
     v: torch.Tensor,
     mask: torch.Tensor,
     backend: str,
-    row_groups: Sequence[tuple[int, int]],
+    row_groups: Sequence[RowGroup],
 ) -> torch.Tensor:
     """Rows ``[a, b)`` of the masked attention against keys ``[0, b)`` only, for each group; ``[B, H, S, hd]``.
-    Exact: every key at or after ``b`` is masked for every row of the group, so it adds exactly 0."""
+    Exact: every key at or after ``b`` is masked for every row of the group, so it adds exactly 0. A group with
+    ``key_starts`` needs no mask at all: item ``i`` attends keys ``[key_starts[i], b)``, every one visible to
+    every row (one call per run of items with the same start)."""
+    outs = []
     with attention_kernels(backend):
-        outs = [
-            F.scaled_dot_product_attention(
-                q[:, :, a:b], k[:, :, :b], v[:, :, :b], attn_mask=mask[..., a:b, :b]
-            )
-            for a, b in row_groups
-        ]
+        for a, b, key_starts in row_groups:
+            if key_starts is None:
+                outs.append(
+                    F.scaled_dot_product_attention(
+                        q[:, :, a:b], k[:, :, :b], v[:, :, :b], attn_mask=mask[..., a:b, :b]
+                    )
+                )
+                continue
+            parts, item = [], 0
+            for start, run in itertools.groupby(key_starts):
+                n = len(list(run))
+                items = slice(item, item + n)
+                parts.append(
+                    F.scaled_dot_product_attention(
+                        q[items, :, a:b], k[items, :, start:b], v[items, :, start:b]
+                    )
+                )
+                item += n
+            outs.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
     return torch.cat(outs, dim=2)
 
 
 #: the fewest query rows a group of :func:`causal_row_groups` closes with (whole frames are added until it has
-#: them): 768p sampling computes 0.67 of the dense attention in 3.6 calls per column (benchmarks/RESULTS.md)
+#: them; a frame that large is a group of its own)
 ROW_GROUP_MIN_ROWS = 1024
 
 
+class RowGroup(NamedTuple):
+    """Query rows ``[start, end)`` of one column, attended against keys ``[0, end)`` under the column's mask;
+    or, with ``key_starts`` (one per item), against keys ``[key_starts[i], end)`` with no mask: the rows are one
+    frame's image tokens and every one of those keys is visible to all of them."""
+
+    start: int
+    end: int
+    key_starts: tuple[int, ...] | None = None
+
+
 def causal_row_groups(
-    text_len: int, clip_grids: Sequence[tuple[int, int, int]], min_rows: int = ROW_GROUP_MIN_ROWS
-) -> list[tuple[int, int]]:
-    """Query-row groups ``[a, b)`` of one column's ``[text; image]`` sequence under temporal causality: each
-    closes at a frame boundary once it has ``min_rows`` rows, so no query in ``[a, b)`` may attend a key at or
-    after ``b`` (frames are in order; the text shares frame 0 with the first image frame, so the first group
-    holds both)."""
-    groups, start, end = [], 0, text_len
-    for t, h, w in clip_grids:
-        for _ in range(t):
-            end += h * w
-            if end - start >= min_rows:
-                groups.append((start, end))
-                start = end
+    text_len: int,
+    clip_grids: Sequence[tuple[int, int, int]],
+    min_rows: int = ROW_GROUP_MIN_ROWS,
+    key_starts: Sequence[int] | None = None,
+) -> list[RowGroup]:
+    """Query-row groups of one column's ``[text; image]`` sequence under temporal causality: whole frames are
+    gathered until a group has ``min_rows`` rows, and a frame of ``min_rows`` or more is a group of its own, so
+    no query in ``[start, end)`` may attend a key at or after ``end`` (frames are in order; the text shares
+    frame 0 with the first image frame, so the first group holds both).
+
+    ``key_starts`` (per item: where its valid text begins, the text being left-aligned as
+    :func:`left_align_text` leaves it) marks the groups of a single frame after the first as needing no mask:
+    their rows see every key from the item's valid text to the frame's end, and nothing else."""
+    frames = [h * w for t, h, w in clip_grids for _ in range(t)]
+    groups: list[RowGroup] = []
+    start, end, count = 0, text_len, 0  # the open group: rows [start, end), ``count`` frames
+
+    def close() -> None:
+        nonlocal start, count
+        plain = key_starts is not None and count == 1 and start >= text_len
+        groups.append(RowGroup(start, end, tuple(key_starts) if plain else None))
+        start, count = end, 0
+
+    for rows in frames:
+        if rows >= min_rows and count:  # a large frame stands alone
+            close()
+        end, count = end + rows, count + 1
+        if end - start >= min_rows:
+            close()
     if end > start:
-        groups.append((start, end))
+        close()
     return groups
+
+
+def right_padded_lengths(mask: torch.Tensor) -> list[int] | None:
+    """The valid tokens of each row of a text attention mask ``[R, L]`` (read on the host) when they are its
+    first ones, as tokenizers pad; None when some row is laid out otherwise."""
+    valid = mask.detach().cpu() != 0
+    lengths = valid.sum(1)
+    if not bool((valid == (torch.arange(valid.shape[1])[None] < lengths[:, None])).all()):
+        return None
+    return lengths.tolist()
+
+
+def left_align_text(
+    encoder_hidden_states: torch.Tensor, encoder_attention_mask: torch.Tensor, text_lengths: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Text rows ``[R, L, ...]`` whose first ``text_lengths[r]`` tokens are valid, cut to the longest valid
+    length (the padding every row has) and rotated so each row's valid tokens end it.
+
+    Exact for everything the DiT returns: padding tokens only ever attend each other and text sits at RoPE
+    position 0, so where a token sits in the text and the padding no row needs change no image token."""
+    width = max(1, *text_lengths)
+
+    def align(x: torch.Tensor) -> torch.Tensor:
+        return torch.stack(
+            [row[:width].roll(width - n, 0) for row, n in zip(x.unbind(0), text_lengths, strict=True)]
+        )
+
+    return align(encoder_hidden_states), align(encoder_attention_mask)
 
 
 def attention_kernels(backend: str) -> contextlib.AbstractContextManager:
@@ -667,7 +739,7 @@ class PyramidLayout:
     attention_backend: str = "auto"  # the kernels that run the attention (:func:`attention_kernels`)
     rope: RotaryTable | None = None  # for the image tokens [N]
     joint_rope: RotaryTable | None = None  # for the [text_k; image_k] layout (text: identity)
-    row_groups: list[list[tuple[int, int]]] | None = None  # per column (:func:`causal_row_groups`), or None
+    row_groups: list[list[RowGroup]] | None = None  # per column (:func:`causal_row_groups`), or None
 
     def attend(self, column: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """:func:`masked_attention` of ``column`` ([text_k; image_k] tokens) with this call's mask and kernels."""
@@ -987,12 +1059,50 @@ class BlockCheckpointing:
         self.skip_future_keys = bool(skip_future_keys)
 
     def attention_row_groups(
-        self, text_len: int, grids: Sequence[Sequence[tuple[int, int, int]]]
-    ) -> list[list[tuple[int, int]]] | None:
-        """The per-column row groups of one forward, or None (off, or no temporal causality to exploit)."""
-        if not (self.skip_future_keys and self.config.use_temporal_causal):
+        self,
+        text_len: int,
+        grids: Sequence[Sequence[tuple[int, int, int]]],
+        text_lengths: Sequence[int] | None,
+    ) -> list[list[RowGroup]] | None:
+        """The per-column row groups of one forward, or None (off, or no temporal causality to exploit).
+        ``text_lengths`` (per text row, the text left-aligned by :meth:`align_text`) lets single-frame groups
+        run without a mask."""
+        if not self.row_groups_active:
             return None
-        return [causal_row_groups(text_len, col, ROW_GROUP_MIN_ROWS) for col in grids]
+        groups = []
+        for k, col in enumerate(grids):
+            starts = None
+            if text_lengths is not None:  # rows are interleaved: item b of column k is row b*K + k
+                starts = [text_len - n for n in text_lengths[k :: len(grids)]]
+            groups.append(causal_row_groups(text_len, col, ROW_GROUP_MIN_ROWS, starts))
+        return groups
+
+    @property
+    def row_groups_active(self) -> bool:
+        return self.skip_future_keys and self.config.use_temporal_causal
+
+    def align_text(
+        self,
+        encoder_hidden_states: torch.Tensor,
+        encoder_attention_mask: torch.Tensor,
+        text_lengths: Sequence[int] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int] | None]:
+        """With row groups on and the text rows' valid lengths known on the host (``text_lengths``, matching
+        ``encoder_attention_mask``: :func:`right_padded_lengths`): the text cut and left-aligned by
+        :func:`left_align_text`, and the lengths for :meth:`attention_row_groups`. Otherwise as given, and
+        None."""
+        if text_lengths is None or not self.row_groups_active:
+            return encoder_hidden_states, encoder_attention_mask, None
+        lengths = [int(n) for n in text_lengths]
+        rows, width = encoder_attention_mask.shape
+        if len(lengths) != rows or not all(0 <= n <= width for n in lengths):
+            raise InputError(
+                f"text_lengths {lengths} does not fit encoder_attention_mask {tuple(encoder_attention_mask.shape)}",
+                hint="one valid-token count per text row, at most its length (right_padded_lengths(mask))",
+            )
+        if all(n == width for n in lengths):  # no padding: nothing to move
+            return encoder_hidden_states, encoder_attention_mask, lengths
+        return (*left_align_text(encoder_hidden_states, encoder_attention_mask, lengths), lengths)
 
     def compile_blocks(self, backend: str = "inductor", *, independent_sizes: bool = False) -> None:
         """``torch.compile`` every transformer block in place, with dynamic shapes: one compiled graph per

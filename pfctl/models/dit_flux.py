@@ -19,6 +19,7 @@ Where pfctl deliberately differs from the reference (all documented, none affect
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -255,6 +256,7 @@ class PyramidFluxTransformer(BlockCheckpointing, ModelMixin, ConfigMixin):
         encoder_attention_mask: torch.Tensor,
         batch: int,
         attn_dtype: torch.dtype,
+        text_lengths: Sequence[int] | None = None,
     ) -> PyramidLayout:
         """Token counts, RoPE tables and attention masks (in ``attn_dtype``, the dtype of q) of one call
         (shapes only; built once per forward)."""
@@ -279,7 +281,7 @@ class PyramidFluxTransformer(BlockCheckpointing, ModelMixin, ConfigMixin):
             self.attention_backend,
             rope=rotary_table(cos, sin),
             joint_rope=rotary_table(*with_text_identity(cos, sin, image_lengths, text_len)),
-            row_groups=self.attention_row_groups(text_len, grids),
+            row_groups=self.attention_row_groups(text_len, grids, text_lengths),
         )
 
     def forward(
@@ -289,9 +291,13 @@ class PyramidFluxTransformer(BlockCheckpointing, ModelMixin, ConfigMixin):
         encoder_attention_mask: torch.Tensor,
         pooled_projections: torch.Tensor,
         timestep_ratio: torch.Tensor,
+        text_lengths: Sequence[int] | None = None,
     ) -> list[torch.Tensor]:
         columns = check_forward_inputs(
             sample, encoder_hidden_states, encoder_attention_mask, pooled_projections, timestep_ratio
+        )
+        encoder_hidden_states, encoder_attention_mask, text_lengths = self.align_text(
+            encoder_hidden_states, encoder_attention_mask, text_lengths
         )
         num_cols, batch = len(columns), columns[0][0].shape[0]
 
@@ -309,7 +315,7 @@ class PyramidFluxTransformer(BlockCheckpointing, ModelMixin, ConfigMixin):
         )  # [Bc, N, D], columns then clips in order
 
         grids = [[(c.shape[2], c.shape[3] // PATCH, c.shape[4] // PATCH) for c in col] for col in columns]
-        layout = self.build_layout(grids, encoder_attention_mask, batch, attention_dtype(image))
+        layout = self.build_layout(grids, encoder_attention_mask, batch, attention_dtype(image), text_lengths)
         limit = self._checkpoint_limit()
 
         for i, block in enumerate(self.transformer_blocks):

@@ -25,6 +25,7 @@ Differences from the reference (documented; default numerics unchanged):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -292,6 +293,7 @@ class PyramidDiffusionMMDiT(BlockCheckpointing, ModelMixin, ConfigMixin):
         encoder_attention_mask: torch.Tensor,
         batch: int,
         attn_dtype: torch.dtype,
+        text_lengths: Sequence[int] | None = None,
     ) -> PyramidLayout:
         """Token counts, temporal RoPE table and attention masks (in ``attn_dtype``, the dtype of q) of one call
         (built once per forward)."""
@@ -320,7 +322,7 @@ class PyramidDiffusionMMDiT(BlockCheckpointing, ModelMixin, ConfigMixin):
             attn_masks,
             self.attention_backend,
             rope=rope,
-            row_groups=self.attention_row_groups(encoder_attention_mask.shape[1], grids),
+            row_groups=self.attention_row_groups(encoder_attention_mask.shape[1], grids, text_lengths),
         )
 
     def forward(
@@ -330,9 +332,15 @@ class PyramidDiffusionMMDiT(BlockCheckpointing, ModelMixin, ConfigMixin):
         encoder_attention_mask: torch.Tensor,
         pooled_projections: torch.Tensor,
         timestep_ratio: torch.Tensor,
+        text_lengths: Sequence[int] | None = None,
     ) -> list[torch.Tensor]:
         columns = check_forward_inputs(
             sample, encoder_hidden_states, encoder_attention_mask, pooled_projections, timestep_ratio
+        )
+        if not self.config.use_t5_mask:  # every text token is attended: no padding to skip
+            text_lengths = [encoder_attention_mask.shape[1]] * encoder_attention_mask.shape[0]
+        encoder_hidden_states, encoder_attention_mask, text_lengths = self.align_text(
+            encoder_hidden_states, encoder_attention_mask, text_lengths
         )
         batch = columns[0][0].shape[0]
         p = self.config.patch_size
@@ -342,7 +350,7 @@ class PyramidDiffusionMMDiT(BlockCheckpointing, ModelMixin, ConfigMixin):
         image = torch.cat([self._embed_column(col, k) for k, col in enumerate(columns)], dim=1)  # [Bc, N, D]
 
         grids = [[(c.shape[2], c.shape[3] // p, c.shape[4] // p) for c in col] for col in columns]
-        layout = self.build_layout(grids, encoder_attention_mask, batch, attention_dtype(image))
+        layout = self.build_layout(grids, encoder_attention_mask, batch, attention_dtype(image), text_lengths)
         limit = self._checkpoint_limit()
         for i, block in enumerate(self.transformer_blocks):
             image, text = self._run_block(i, limit, block, image, text, temb, layout)

@@ -21,6 +21,7 @@ import torch
 from pfctl.errors import ConfigError, InputError
 from pfctl.flow.pyramid import history_clips, pyramid_latents, pyramid_noise, upsample_nearest2
 from pfctl.flow.scheduler import PyramidFlowScheduler
+from pfctl.models.dit_common import right_padded_lengths
 from pfctl.sampling.cuda_graph import StageGraph
 
 __all__ = ["TextConditioning", "generate_latents", "guidance_schedule"]
@@ -234,6 +235,9 @@ def generate_latents(
 
     cfg = guidance_scale > 0
     embeds, mask, pooled = text.model_inputs(cfg, device, dtype)
+    # a DiT attending in row groups drops the text padding when it knows the lengths on the host (read once)
+    lengths = right_padded_lengths(mask) if getattr(dit, "skip_future_keys", False) else None
+    text_lengths = {} if lengths is None else {"text_lengths": lengths}
     next_block_noise = _block_noise_fn(block_noises, scheduler, generator, device)
 
     if i2v:
@@ -294,6 +298,7 @@ def generate_latents(
                     encoder_hidden_states=embeds,
                     encoder_attention_mask=mask,
                     pooled_projections=pooled,
+                    **text_lengths,
                 )[0]
                 if cfg:
                     uncond, cond = out.chunk(2)

@@ -51,6 +51,7 @@ from pfctl.flow.pyramid import (
     pyramid_latents,
 )
 from pfctl.flow.scheduler import PyramidFlowScheduler
+from pfctl.models.dit_common import right_padded_lengths
 from pfctl.runtime import faults
 from pfctl.runtime import logging as pflog
 from pfctl.training import checkpoint as ckpt
@@ -282,8 +283,10 @@ class Trainer:
         def move(t: torch.Tensor) -> torch.Tensor:
             return (t.pin_memory() if pinned else t).to(device, non_blocking=pinned)
 
+        lengths = right_padded_lengths(batch.prompt_attention_mask) if self.cfg.skip_future_keys else None
         return dataclasses.replace(
             batch,
+            text_lengths=lengths,  # before the copy: no wait for the GPU
             latents=move(batch.latents),
             prompt_embeds=move(batch.prompt_embeds),
             prompt_attention_mask=move(batch.prompt_attention_mask),
@@ -302,7 +305,11 @@ class Trainer:
             units = self.lengths.lengths(self.micro_step, self.runtime.rank, clip_units=batch.bucket[0])
         inputs = self._noise_inputs(pyramid, units, rng, draw_unused_corruption=False)
         predictions = self._predict(
-            inputs, batch.prompt_embeds, batch.prompt_attention_mask, batch.pooled_prompt_embeds
+            inputs,
+            batch.prompt_embeds,
+            batch.prompt_attention_mask,
+            batch.pooled_prompt_embeds,
+            batch.text_lengths,
         )
         result = flow_matching_loss(predictions, inputs.targets, inputs.column_to_stage)
         record = self.assignment_record(batch, inputs)
@@ -342,8 +349,10 @@ class Trainer:
         prompt_embeds: torch.Tensor,
         prompt_attention_mask: torch.Tensor,
         pooled_prompt_embeds: torch.Tensor,
+        text_lengths: list[int] | None = None,
     ) -> list[torch.Tensor]:
-        """The DiT on one noised batch under the runtime's autocast (text rows on the device already)."""
+        """The DiT on one noised batch under the runtime's autocast (text rows on the device already;
+        ``text_lengths``, their valid tokens known on the host, lets ``skip_future_keys`` drop the padding)."""
         with self.runtime.accelerator.autocast():
             return self.model(
                 sample=inputs.sample,
@@ -351,6 +360,7 @@ class Trainer:
                 encoder_attention_mask=prompt_attention_mask,
                 pooled_projections=pooled_prompt_embeds,
                 timestep_ratio=inputs.timesteps,
+                text_lengths=text_lengths,
             )
 
     # ------------------------------------------------------------------------------------------

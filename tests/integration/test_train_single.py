@@ -212,3 +212,24 @@ def test_a_data_error_fails_the_step_that_uses_the_batch(
     resumed = api.train(config(cache, tmp_path / "broken", resume="latest", **opts))
     assert resumed.resumed_from and resumed.resumed_from.endswith("step-000002")
     assert resumed.losses == full.losses[2:]
+
+
+def test_skip_future_keys_trains_like_one_call_attention(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``train.skip_future_keys``: the trainer hands the DiT each batch's text lengths (read before the copy
+    to the device), so single-frame row groups attend with no mask; the losses are the one-call ones."""
+    import pfctl.models.dit_common as dc
+
+    monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", 4)  # several groups on the tiny preset's columns
+    grouped, key_starts = dc._attention_by_row_groups, set()
+
+    def recording(*args: object) -> torch.Tensor:
+        key_starts.update(g.key_starts for g in args[-1] if g.key_starts is not None)
+        return grouped(*args)
+
+    monkeypatch.setattr(dc, "_attention_by_row_groups", recording)
+    one_call = api.train(config(cache, tmp_path / "one", max_steps=3))
+    grouped_run = api.train(config(cache, tmp_path / "grouped", max_steps=3, skip_future_keys=True))
+    assert len({start for starts in key_starts for start in starts}) > 1  # captions of different lengths
+    torch.testing.assert_close(grouped_run.losses, one_call.losses, rtol=1e-5, atol=1e-7)

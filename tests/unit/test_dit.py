@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pfctl.errors import ConfigError, InputError
 from pfctl.models.dit_common import clip_frame_ids, num_checkpointed
@@ -441,56 +442,96 @@ def test_attention_backends_set_the_sdpa_kernels_around_every_call(kind: str, mo
 
 def test_causal_row_groups_skip_only_masked_keys() -> None:
     """Every key a row group skips (at or after its end) is masked for every row of the group, under the real
-    mask with text padding; groups tile the sequence and close at frame boundaries after ``min_rows``."""
+    mask with text padding; groups tile the sequence and close at frame boundaries after ``min_rows``, a frame
+    that large standing alone. A group marked mask-free (``key_starts``, left-aligned text) sees exactly the
+    keys from each item's valid text to its end."""
     from pfctl.models.dit_common import MASKED, build_attention_bias, causal_row_groups
 
     grids = [(1, 2, 3), (2, 4, 4), (3, 4, 4)]  # history clips, then the current clip: 6 frames
     text_len = 5
-    text_valid = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    text_valid = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)  # left-aligned
+    key_starts = [2, 0]
     (bias,) = build_attention_bias(text_valid, [clip_frame_ids(grids, "cpu")], 1, True, torch.float32)
     size = bias.shape[-1]
-    for min_rows in (1, 10, 20, 1000):
-        groups = causal_row_groups(text_len, grids, min_rows)
-        assert groups[0][0] == 0 and groups[-1][1] == size
-        assert all(a_end == b_start for (_, a_end), (b_start, _) in itertools.pairwise(groups))
-        frame_ends = {text_len + sum(t * h * w for t, h, w in grids[:j]) + f * h * w for j, (t, h, w) in
-                      enumerate(grids) for f in range(1, t + 1)}  # fmt: skip
-        assert {end for _, end in groups} <= frame_ends
-        assert all(end - start >= min_rows for start, end in groups[:-1])
-        for start, end in groups:
+    frame_rows = [h * w for t, h, w in grids for _ in range(t)]
+    frame_ends = list(itertools.accumulate(frame_rows, initial=text_len))[1:]
+    for min_rows in (1, 10, 16, 20, 1000):
+        groups = causal_row_groups(text_len, grids, min_rows, key_starts)
+        assert groups[0].start == 0 and groups[-1].end == size
+        assert all(a.end == b.start for a, b in itertools.pairwise(groups))
+        assert {g.end for g in groups} <= set(frame_ends)
+        for g, after in itertools.pairwise(groups):  # short only where a large frame comes next
+            assert g.end - g.start >= min_rows or (after.end - after.start >= min_rows and after.key_starts)
+        for start, end, starts in groups:
             assert bool((bias[:, :, start:end, end:] == MASKED).all())
-    assert len(causal_row_groups(text_len, grids, 1)) == 6  # one group per frame; text joins frame 0
-    assert causal_row_groups(text_len, grids, 1000) == [(0, size)]
+            single_frame = start >= text_len and end - start in frame_rows and start in frame_ends
+            assert (starts is not None) == single_frame
+            for item, first in enumerate(starts or ()):
+                assert bool((bias[item, :, start:end, first:end] == 0).all())
+                assert bool((bias[item, :, start:end, :first] == MASKED).all())
+    one_per_frame = causal_row_groups(text_len, grids, 1, key_starts)
+    assert len(one_per_frame) == 6 and all(g.key_starts == (2, 0) for g in one_per_frame[1:])
+    assert [g.end - g.start for g in causal_row_groups(text_len, grids, 16)] == [
+        text_len + 6,
+        16,
+        16,
+        16,
+        16,
+        16,
+    ]
+    assert causal_row_groups(text_len, grids, 1000) == [(0, size, None)]
+    assert all(g.key_starts is None for g in causal_row_groups(text_len, grids, 1))  # text offsets unknown
+
+
+def test_left_aligned_text_keeps_the_valid_tokens() -> None:
+    from pfctl.models.dit_common import left_align_text, right_padded_lengths
+
+    mask = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0]])
+    assert right_padded_lengths(mask) == [2, 3, 0]
+    assert right_padded_lengths(torch.tensor([[1, 0, 1]])) is None
+    text = torch.arange(15.0).view(3, 5)
+    aligned, aligned_mask = left_align_text(text, mask, [2, 3, 0])
+    assert aligned_mask.tolist() == [[0, 1, 1], [1, 1, 1], [0, 0, 0]]
+    assert aligned[aligned_mask.bool()].tolist() == [0.0, 1.0, 5.0, 6.0, 7.0]
 
 
 @pytest.mark.parametrize("kind", MODELS)
 def test_skip_future_keys_computes_the_same_attention(kind: str, monkeypatch) -> None:
     """``skip_future_keys``: row-grouped attention gives the one-call outputs and gradients (float32, to
-    float rounding), checkpointed blocks included; models without temporal causality ignore it."""
+    float rounding), checkpointed blocks included, and with the text lengths given (text cut to its longest
+    row, mask-free single-frame groups) too; models without temporal causality ignore it."""
     import pfctl.models.dit_common as dc
 
     monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", 8)  # several groups on these small columns
-    grouped, counts = dc._attention_by_row_groups, []
+    grouped, calls = dc._attention_by_row_groups, []
 
     def counting(*args, **kwargs):
-        counts.append(len(args[-1]))
+        calls.append(args[-1])
         return grouped(*args, **kwargs)
 
     monkeypatch.setattr(dc, "_attention_by_row_groups", counting)
     args = long_inputs()
+    pad = 3  # padding columns every row has: cut when the lengths are known
+    args["encoder_hidden_states"] = F.pad(args["encoder_hidden_states"], (0, 0, 0, pad))
+    args["encoder_attention_mask"] = F.pad(args["encoder_attention_mask"], (0, pad))
+    lengths = dc.right_padded_lengths(args["encoder_attention_mask"])
     results = []
-    for skip in (False, True):
+    for skip, text_lengths in ((False, None), (True, None), (True, lengths)):
+        calls.clear()
         model = build(kind, gradient_checkpointing_ratio=0.5, use_gradient_checkpointing=True).train()
         model.set_attention_backend("auto", skip_future_keys=skip)
-        outs = model(**clone_args(args))
+        outs = model(**clone_args(args), text_lengths=text_lengths)
         sum(o.square().mean() for o in outs).backward()
         results.append(outs + [p.grad for p in model.parameters()])
-        assert bool(counts) == skip and all(n > 2 for n in counts)
-    for got, want in zip(results[1], results[0], strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert bool(calls) == skip and all(len(groups) > 2 for groups in calls)
+        mask_free = [g for groups in calls for g in groups if g.key_starts is not None]
+        assert bool(mask_free) == (text_lengths is not None)
+    for variant in results[1:]:
+        for got, want in zip(variant, results[0], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     plain = build(kind, use_temporal_causal=False)
     plain.set_attention_backend("auto", skip_future_keys=True)
-    assert plain.attention_row_groups(5, [[(2, 4, 4)]]) is None
+    assert plain.attention_row_groups(5, [[(2, 4, 4)]], None) is None
 
 
 def long_inputs(seed: int = 3) -> dict:

@@ -21,16 +21,16 @@ def _text(dit: torch.nn.Module, device: str = "cpu", seed: int = 0) -> TextCondi
     gen = torch.Generator().manual_seed(seed)
     cfg = dit.config
 
-    def features() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def features(valid: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         mask = torch.ones(1, 6, dtype=torch.long)
-        mask[:, 4:] = 0  # padded text: the masks must survive the graph
+        mask[:, valid:] = 0  # padded text: the masks must survive the graph
         return (
             torch.randn(1, 6, cfg.joint_attention_dim, generator=gen).to(device),
             mask.to(device),
             torch.randn(1, cfg.pooled_projection_dim, generator=gen).to(device),
         )
 
-    return TextConditioning(*features(), *features())
+    return TextConditioning(*features(4), *features(2))
 
 
 def _sample(dit: torch.nn.Module, device: str, **kwargs: object) -> torch.Tensor:
@@ -89,19 +89,28 @@ def test_compiled_blocks_trace_once_for_every_token_count():
 
 def test_compiled_blocks_with_skip_future_keys_sample_like_eager(monkeypatch):
     """Row-grouped attention runs eagerly inside compiled blocks (their only graph break: group layouts are
-    not traced into the blocks' graphs); the samples are the eager ones."""
+    not traced into the blocks' graphs); the samples are the eager one-call ones, with the sampler handing
+    the DiT its text lengths (negative and positive prompts of different lengths: the single-frame groups
+    attend with no mask, one call per prompt)."""
     from torch._dynamo.utils import counters
 
     import pfctl.models.dit_common as dc
 
     monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", 8)  # several groups per call at these sizes
+    grouped, mask_free = dc._attention_by_row_groups, []
+
+    def recording(*args: object) -> torch.Tensor:
+        mask_free.extend(g.key_starts for g in args[-1] if g.key_starts is not None)
+        return grouped(*args)
+
+    monkeypatch.setattr(dc, "_attention_by_row_groups", recording)
     eager, compiled = tiny_dit(), tiny_dit()
-    for dit in (eager, compiled):
-        dit.set_attention_backend("auto", skip_future_keys=True)
+    compiled.set_attention_backend("auto", skip_future_keys=True)
     torch._dynamo.reset()
     counters.clear()
     compiled.compile_blocks(backend="eager")  # dynamo's capture and graph breaks, no AOT tracing
     torch.testing.assert_close(_sample(compiled, "cpu"), _sample(eager, "cpu"), rtol=1e-5, atol=1e-6)
+    assert set(mask_free) == {(2, 0)}  # text cut to 4 tokens; the negative prompt's 2 start at 2
     assert counters["graph_break"] and all(
         "_attention_by_row_groups" in reason for reason in counters["graph_break"]
     )
