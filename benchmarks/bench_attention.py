@@ -83,7 +83,7 @@ def grouped(
     return out.unflatten(-1, (heads, -1)).transpose(1, 2)
 
 
-def measure(case: str, device: torch.device, dtype: torch.dtype, repeats: int, flex: Callable) -> dict:
+def measure(case: str, device: torch.device, dtype: torch.dtype, repeats: int, flex: Callable | None) -> dict:
     from torch.nn.attention import SDPBackend
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -100,14 +100,15 @@ def measure(case: str, device: torch.device, dtype: torch.dtype, repeats: int, f
     grad = torch.randn_like(q)
     (bias,) = build_attention_bias(text_valid, [frame_ids], 1, True, dtype)
     ((_, _, rule),) = visibility_rules(text_valid, [frame_ids], 1, True)  # the same rule as a flex mask_mod
-    block_mask = create_block_mask(rule, batch, None, size, size, device=device)
     kernels = {
         "efficient": functools.partial(sdpa, q, k, v, bias, SDPBackend.EFFICIENT_ATTENTION),
         "cudnn": functools.partial(sdpa, q, k, v, bias, SDPBackend.CUDNN_ATTENTION),
-        "flex": functools.partial(flex, q, k, v, block_mask=block_mask),
         "flash (no mask)": functools.partial(sdpa, q, k, v, None, SDPBackend.FLASH_ATTENTION),
         "cudnn (no mask)": functools.partial(sdpa, q, k, v, None, SDPBackend.CUDNN_ATTENTION),
     }
+    if flex is not None:
+        block_mask = create_block_mask(rule, batch, None, size, size, device=device)
+        kernels["flex"] = functools.partial(flex, q, k, v, block_mask=block_mask)
     grids = [(1, n, 1) for n in frames]
     starts = [TEXT_LEN - int(text_valid[item].sum()) for item in range(batch)]
     groups = causal_row_groups(TEXT_LEN, grids)
@@ -140,7 +141,7 @@ def measure(case: str, device: torch.device, dtype: torch.dtype, repeats: int, f
             "rel_l2_vs_first_masked": err,
         }
     row["row_groups"] = [list(g) for g in plain_groups]
-    for compiled in (False, True):
+    for compiled in (False, True) if flex is not None else ():
         make = functools.partial(
             create_block_mask, rule, batch, None, size, size, device=device, _compile=compiled
         )
@@ -156,6 +157,9 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--no-flex", action="store_true", help="leave FlexAttention out (its compilation is slow)"
+    )
     args = parser.parse_args()
 
     from torch.nn.attention.flex_attention import flex_attention
@@ -163,6 +167,7 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     flex = torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
+    flex = None if args.no_flex else flex
     results = {case: measure(case, device, dtype, args.repeats, flex) for case in args.cases.split(",")}
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
@@ -179,9 +184,13 @@ def main() -> None:
                 f"{case:>7} {name:>26} {r['fwd_ms']:>8.2f} {r['fwd_bwd_ms']:>11.2f} "
                 f"{r['fwd_tflops_dense']:>11.0f} {err:>8}"
             )
+        masks = (
+            f"; block mask {row['block_mask_eager_ms']:.1f} ms eager, {row['block_mask_compiled_ms']:.1f} ms compiled"
+            if "block_mask_eager_ms" in row
+            else ""
+        )
         print(
-            f"{case:>7} {row['tokens']} tokens x batch {row['batch']}, {row['visible_share']:.0%} of scores visible; "
-            f"block mask {row['block_mask_eager_ms']:.1f} ms eager, {row['block_mask_compiled_ms']:.1f} ms compiled"
+            f"{case:>7} {row['tokens']} tokens x batch {row['batch']}, {row['visible_share']:.0%} of scores visible{masks}"
         )
 
 
