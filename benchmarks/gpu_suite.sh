@@ -46,11 +46,11 @@ case ",$STEPS," in *,refgen,*)
 esac
 case ",$STEPS," in *,trainvariants,*)
   echo "=== train step side by side with the reference: pfctl variants (attention kernel, compiled blocks, skip_future_keys) (GPU $GPU)"
-  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py train --train-variants "${TRAIN_VARIANTS:-efficient,efficient+compile,efficient+compile+skip,cudnn+compile+skip}" --profile --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_train_variants.json" 2>&1 | tee -a "$OUT/suite.log" | tail -14;;
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py train --train-variants "${TRAIN_VARIANTS:-efficient,efficient+compile,efficient+compile+skip,cudnn+compile+skip}" --profile --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_train_variants.json" 2>&1 | tee -a "$OUT/suite.log" | tail -22;;
 esac
 case ",$STEPS," in *,attention,*)
   echo "=== masked attention kernels on the DiT's masks (GPU $GPU)"
-  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_attention.py --device cuda --no-flex --json "$OUT/attention.json" 2>&1 | tee -a "$OUT/suite.log" | tail -12;;
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_attention.py --device cuda --no-flex --json "$OUT/attention.json" 2>&1 | tee -a "$OUT/suite.log" | tail -24;;
 esac
 case ",$STEPS," in *,refgenskip,*)
   echo "=== generate 5 s 384p side by side with the reference, compiled blocks + skip_future_keys (GPU $GPU)"
