@@ -27,7 +27,7 @@ import itertools
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -589,7 +589,6 @@ def masked_attention(
     return out.transpose(1, 2).flatten(2)  # [B, Sq, H*hd]
 
 
-@torch.compiler.disable  # inside compiled blocks: eager, so a new group layout never recompiles a block
 def _attention_by_row_groups(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -740,15 +739,31 @@ class PyramidLayout:
     rope: RotaryTable | None = None  # for the image tokens [N]
     joint_rope: RotaryTable | None = None  # for the [text_k; image_k] layout (text: identity)
     row_groups: list[list[RowGroup]] | None = None  # per column (:func:`causal_row_groups`), or None
+    grouped: bool = field(init=False)  # row_groups is set (a flag compiled blocks can branch on, see attend)
+
+    def __post_init__(self) -> None:
+        self.grouped = self.row_groups is not None
 
     def attend(self, column: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """:func:`masked_attention` of ``column`` ([text_k; image_k] tokens) with this call's mask and kernels."""
-        groups = None if self.row_groups is None else self.row_groups[column]
-        return masked_attention(q, k, v, self.attn_masks[column], self.attention_backend, groups)
+        if self.grouped:
+            return _attend_in_row_groups(self, column, q, k, v)
+        return masked_attention(q, k, v, self.attn_masks[column], self.attention_backend)
 
     @property
     def joint_lengths(self) -> list[int]:
         return [self.text_len + n for n in self.image_lengths]
+
+
+@torch.compiler.disable
+def _attend_in_row_groups(
+    layout: PyramidLayout, column: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor:
+    """:meth:`PyramidLayout.attend` in row groups, run eagerly inside compiled blocks (their graph breaks
+    here). The layout goes in whole: a compiled block never reads the groups, so it holds no guard on them
+    and a new group layout (every training step, every sampler stage) recompiles nothing."""
+    groups = layout.row_groups[column]
+    return masked_attention(q, k, v, layout.attn_masks[column], layout.attention_backend, groups)
 
 
 # ----------------------------------------------------------------------------------------------------------
