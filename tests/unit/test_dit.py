@@ -503,6 +503,7 @@ def test_skip_future_keys_computes_the_same_attention(kind: str, monkeypatch) ->
     import pfctl.models.dit_common as dc
 
     monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", 8)  # several groups on these small columns
+    monkeypatch.setattr(dc, "ROW_GROUP_MIN_TOKENS", 0)  # grouped however short the columns
     grouped, calls = dc._attention_by_row_groups, []
 
     def counting(*args, **kwargs):
@@ -532,6 +533,10 @@ def test_skip_future_keys_computes_the_same_attention(kind: str, monkeypatch) ->
     plain = build(kind, use_temporal_causal=False)
     plain.set_attention_backend("auto", skip_future_keys=True)
     assert plain.attention_row_groups(5, [[(2, 4, 4)]], None) is None
+    monkeypatch.setattr(dc, "ROW_GROUP_MIN_TOKENS", 40)  # a short column takes one masked call
+    short, long = [(1, 4, 4)], [(1, 4, 4), (2, 4, 4)]
+    assert model.attention_row_groups(5, [short], None) is None
+    assert [g is None for g in model.attention_row_groups(5, [short, long], None)] == [True, False]
 
 
 def long_inputs(seed: int = 3) -> dict:

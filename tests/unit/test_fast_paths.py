@@ -97,6 +97,7 @@ def test_compiled_blocks_with_skip_future_keys_sample_like_eager(monkeypatch):
     import pfctl.models.dit_common as dc
 
     monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", 8)  # several groups per call at these sizes
+    monkeypatch.setattr(dc, "ROW_GROUP_MIN_TOKENS", 0)  # grouped however short the columns
     grouped, mask_free = dc._attention_by_row_groups, []
 
     def recording(*args: object) -> torch.Tensor:
@@ -271,6 +272,7 @@ def test_attention_settings_on_cuda_agree(monkeypatch) -> None:
     import pfctl.models.dit_common as dc
 
     monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", 64)  # several groups per column at these sizes
+    monkeypatch.setattr(dc, "ROW_GROUP_MIN_TOKENS", 0)  # grouped however short the columns
     head_64 = {"attention_head_dim": 64, "axes_dims_rope": [16, 24, 24]}  # miniFLUX's head width
     dit = tiny_dit(overrides=head_64).cuda()
     sampler_dit = tiny_dit(overrides=head_64).cuda().to(torch.bfloat16).eval()
