@@ -268,7 +268,8 @@ def test_attention_settings_on_cuda_agree(monkeypatch) -> None:
     """``efficient`` runs the DiT's masked attention on the memory-efficient kernel and ``cudnn`` on cuDNN's
     (neither launches the other); with ``skip_future_keys`` in row groups. All give the same results within
     bf16 rounding: a training forward + backward under bf16 autocast with every block checkpointed (the
-    recomputation must pick the forward's kernel), padded text, and a video sampled with CUDA graphs."""
+    recomputation must pick the forward's kernel), padded text, and a video sampled with CUDA graphs
+    (relative L2 of the latents)."""
     import pfctl.models.dit_common as dc
 
     monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", 64)  # several groups per column at these sizes
@@ -319,7 +320,10 @@ def test_attention_settings_on_cuda_agree(monkeypatch) -> None:
         s_outs, s_grads, s_latents = results[setting]
         for got, want in zip(s_outs + s_grads, outs + grads, strict=True):
             torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
-        torch.testing.assert_close(s_latents, latents, rtol=3e-2, atol=3e-2)
+        # a sampled video compounds bf16 rounding over 21 CFG steps: compared as a whole, with the tolerance
+        # of the side-by-side harness for the same noise (benchmarks/bench_reference.py)
+        rel_l2 = float((s_latents - latents).norm() / latents.norm())
+        assert rel_l2 <= 5e-2, (setting, rel_l2)
 
 
 @gpu
