@@ -125,7 +125,12 @@ def main() -> None:
         choices=["auto", "efficient", "cudnn"],
         help="the DiT's attention backend",
     )
-    parser.add_argument("--skip-future-keys", action="store_true", help="generate.skip_future_keys")
+    parser.add_argument(
+        "--skip-future-keys",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="generate.skip_future_keys (on by default, as in pfctl generate)",
+    )
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
 
