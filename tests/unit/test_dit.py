@@ -539,6 +539,31 @@ def test_skip_future_keys_computes_the_same_attention(kind: str, monkeypatch) ->
     assert [g is None for g in model.attention_row_groups(5, [short, long], None)] == [True, False]
 
 
+def test_skip_future_keys_keeps_the_padding_an_unmasked_mmdit_attends(monkeypatch) -> None:
+    """``use_t5_mask=False``: every text token is attended, padding included, so given text lengths must not
+    cut it: the mask-free groups start at key 0 and the outputs are the one-call ones."""
+    import pfctl.models.dit_common as dc
+
+    monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", 8)
+    monkeypatch.setattr(dc, "ROW_GROUP_MIN_TOKENS", 0)
+    grouped, starts = dc._attention_by_row_groups, set()
+
+    def recording(*args):
+        starts.update(g.key_starts for g in args[-1] if g.key_starts is not None)
+        return grouped(*args)
+
+    monkeypatch.setattr(dc, "_attention_by_row_groups", recording)
+    args = long_inputs()
+    model = build("mmdit", use_t5_mask=False)
+    want = run(model, clone_args(args))
+    model.set_attention_backend("auto", skip_future_keys=True)
+    with torch.no_grad():
+        got = model(**clone_args(args), text_lengths=dc.right_padded_lengths(args["encoder_attention_mask"]))
+    assert starts == {(0, 0)}
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def long_inputs(seed: int = 3) -> dict:
     """Like :func:`inputs` with longer columns (several frames of 16 tokens after the history)."""
     args = inputs(seed)
