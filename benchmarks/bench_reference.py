@@ -294,7 +294,7 @@ def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 # ----------------------------------------------------------------------------- main
 def side_by_side_generate(args: argparse.Namespace, Reference: type, device: torch.device) -> dict:
     """Sampling + decode of one video by both implementations; returns the result record."""
-    from pfctl.config.generate import RESOLUTIONS
+    from pfctl.config.generate import RESOLUTIONS, GenerateConfig
     from pfctl.models.checkpoint import load_dit_folder
     from pfctl.models.vae import TINY_CAUSAL_VAE_CONFIG, load_vae
     from pfctl.sampling.generate import decode_latents, free_memory, resolve_decode_tile
@@ -358,7 +358,8 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
 
     # --- pfctl, loading the same folder with its own code
     dit = load_dit_folder(folder / VARIANT, dtype=dtype, device=device).eval()
-    dit.set_attention_backend(args.attention or "auto", args.skip_future_keys)
+    skip = GenerateConfig().skip_future_keys if args.skip_future_keys is None else args.skip_future_keys
+    dit.set_attention_backend(args.attention or "auto", skip)
     if args.compile and cuda:
         dit.compile_blocks()  # the first timed run pays the compilation; the last one is reported
     vae = load_vae(str(folder / "causal_video_vae"), dtype=dtype, device=device)
@@ -419,7 +420,7 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
             "cuda_graphs": cuda and not args.no_cuda_graphs,
             "compile": cuda and args.compile,
             "attention": args.attention or "auto",
-            "skip_future_keys": args.skip_future_keys,
+            "skip_future_keys": skip,
         },
         "reference": {
             "sample_s": ref_sample_s,
@@ -700,14 +701,19 @@ def main() -> None:
         "optionally +compile (train.compile) and +skip (train.skip_future_keys), e.g. "
         "efficient,efficient+compile,efficient+compile+skip (default: from --attention, --compile, --skip-future-keys)",
     )
-    parser.add_argument("--skip-future-keys", action="store_true", help="pfctl's DiT attention in row groups")
+    parser.add_argument(
+        "--skip-future-keys",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pfctl's DiT attention in row groups (default: as pfctl's generate and train defaults)",
+    )
     parser.add_argument(
         "--profile", action="store_true", help="train, CUDA: kernel time by kind of one more step per variant"
     )
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
     if args.train_variants is None:
-        options = ["compile"] * args.compile + ["skip"] * args.skip_future_keys
+        options = ["compile"] * args.compile + ["skip"] * bool(args.skip_future_keys)
         args.train_variants = ["+".join([args.attention or "efficient", *options])]
     unknown = {
         v
