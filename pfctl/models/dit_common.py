@@ -695,8 +695,9 @@ def left_align_text(
     """Text rows ``[R, L, ...]`` whose first ``text_lengths[r]`` tokens are valid, cut to the longest valid
     length (the padding every row has) and rotated so each row's valid tokens end it.
 
-    Exact for everything the DiT returns: padding tokens only ever attend each other and text sits at RoPE
-    position 0, so where a token sits in the text and the padding no row needs change no image token."""
+    Exact for everything the DiT returns: padding tokens only ever attend each other and every text token
+    sits at RoPE position 0, so moving text tokens and dropping the padding all rows share change no image
+    token."""
     width = max(1, *text_lengths)
 
     def align(x: torch.Tensor) -> torch.Tensor:
