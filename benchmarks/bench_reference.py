@@ -590,17 +590,24 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
             dit.compile_blocks(independent_sizes=True)  # as the trainer compiles them
         opt = build_optimizer(dit, TrainConfig(**optimizer_args))
 
-        def pfctl_step(i: int, dit=dit, opt=opt, skip="skip" in options) -> float:
+        host: list[tuple[float, float, float]] = []  # per step: seconds the host spent launching each phase
+
+        def pfctl_step(i: int, dit=dit, opt=opt, skip="skip" in options, host=host) -> float:
+            t0 = time.perf_counter()
             with autocast(device):
                 preds = dit(**inputs[i], **(text_lengths[i] if skip else {}))
                 loss = flow_matching_loss(preds, targets[i]).loss
-            loss.backward()
+            t1 = time.perf_counter()
+            loss.backward()  # returns once every backward kernel is queued, not when they have run
+            t2 = time.perf_counter()
             torch.nn.utils.clip_grad_norm_(dit.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            host.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
             return float(loss.detach())
 
         runs = [_timed(lambda i=i: pfctl_step(i), device) for i in range(len(inputs))]
+        host_ms = [statistics.median(1e3 * h[j] for h in host[timed]) for j in range(3)]
         profiled = kernel_breakdown(lambda: pfctl_step(len(inputs) - 1)) if cuda and args.profile else None
         diff = [abs(a[0] - b[0]) / max(abs(a[0]), 1e-12) for a, b in zip(ref_runs, runs, strict=True)]
         step_s = statistics.median(r[1] for r in runs[timed])
@@ -616,6 +623,7 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
             "speedup_step": ref_s / step_s,
             "agrees": diff[0] <= tolerance,
             "profile": profiled,
+            "host_ms": dict(zip(("forward", "backward", "optimizer"), host_ms, strict=True)),
         }
         print(
             f"pfctl {variant}: step {step_s:.3f} s (first {runs[0][1]:.1f} s), loss rel. diff {diff[0]:.1e}"
@@ -654,6 +662,12 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
             f"{r['losses'][0]:>11.5f}{extra}"
         )
     for variant, r in variants.items():
+        launch = sum(r["host_ms"].values())
+        print(
+            f"pfctl {variant} host: "
+            + ", ".join(f"{k} {ms:.1f}" for k, ms in r["host_ms"].items())
+            + f" ms to queue (on the CPU: to run); the step ends {1e3 * r['step_s'] - launch:.1f} ms later"
+        )
         if r["profile"]:
             kinds = ", ".join(f"{k} {ms:.1f}" for k, ms in r["profile"]["kernel_ms_by_kind"].items())
             print(
