@@ -1128,7 +1128,14 @@ class BlockCheckpointing:
             return encoder_hidden_states, encoder_attention_mask, lengths
         return (*left_align_text(encoder_hidden_states, encoder_attention_mask, lengths), lengths)
 
-    def compile_blocks(self, backend: str = "inductor", *, independent_sizes: bool = False) -> None:
+    def compile_blocks(
+        self,
+        backend: str = "inductor",
+        *,
+        dynamic: bool | None = True,
+        independent_sizes: bool = False,
+        cuda_graphs: bool = False,
+    ) -> None:
         """``torch.compile`` every transformer block in place, with dynamic shapes: one compiled graph per
         block type serves every token count (the pyramid changes it every call), and the state-dict keys
         stay as they are. Fuses the elementwise work around the matmuls (norms, RoPE, modulation).
@@ -1136,7 +1143,11 @@ class BlockCheckpointing:
         ``independent_sizes`` (training): sizes that happen to be equal when a block is traced are not
         assumed to stay equal (PyTorch's "duck shaping" off, for the whole process), so columns whose token
         counts change independently every step do not recompile the blocks. Measured on the CPU over 24
-        trainer steps: 5 graphs with duck shaping, 3 without; tracing takes ~1.5x as long."""
+        trainer steps: 5 graphs with duck shaping, 3 without; tracing takes ~1.5x as long.
+
+        ``cuda_graphs`` (training): each compiled block forward and backward is also recorded as a CUDA graph
+        per token count and replayed (``mode="reduce-overhead"``), so a step costs the host a few launches per
+        block instead of hundreds. The caller marks each step's start (:func:`mark_cuda_graph_step`)."""
         import torch._inductor.config as inductor_config
 
         # inductor's coalescing analysis (a tiling heuristic: speed, not results) asserted on dynamic-shape
@@ -1146,8 +1157,9 @@ class BlockCheckpointing:
             import torch.fx.experimental._config as shape_config
 
             shape_config.use_duck_shape = False
+        mode = "reduce-overhead" if cuda_graphs else None
         for _, block in self.blocks_in_order():
-            block.compile(dynamic=True, backend=backend)
+            block.compile(dynamic=dynamic, backend=backend, mode=mode)
 
     def checkpointed_block_names(self) -> list[str]:
         """Names (state-dict prefixes) of the blocks that are checkpointed when checkpointing is on."""

@@ -702,7 +702,9 @@ def run_generate(
     dit.set_attention_backend(gen.attention, gen.skip_future_keys)
     if gen.compile:
         if device.type == "cuda":
-            dit.compile_blocks()
+            # automatic dynamic shapes: the token counts become dynamic once they change, the head sizes stay
+            # static (with every size dynamic, the graphs around row-grouped attention ran generic kernels)
+            dit.compile_blocks(dynamic=None)
         else:
             pflog.log("generate.compile is ignored on the CPU")
 
