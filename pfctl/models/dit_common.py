@@ -582,10 +582,9 @@ def masked_attention(
     if mask.dtype != q.dtype:  # a layout built for another dtype than the blocks run in
         mask = mask.to(q.dtype)
     if row_groups is not None:
-        out = _attention_by_row_groups(q, k, v, mask, backend, row_groups)
-    else:
-        with attention_kernels(backend):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, Sq, hd]
+        return _attention_by_row_groups(q, k, v, mask, backend, row_groups).flatten(2)
+    with attention_kernels(backend):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, Sq, hd]
     return out.transpose(1, 2).flatten(2)  # [B, Sq, H*hd]
 
 
@@ -597,32 +596,29 @@ def _attention_by_row_groups(
     backend: str,
     row_groups: Sequence[RowGroup],
 ) -> torch.Tensor:
-    """Rows ``[a, b)`` of the masked attention against keys ``[0, b)`` only, for each group; ``[B, H, S, hd]``.
-    Exact: every key at or after ``b`` is masked for every row of the group, so it adds exactly 0. A group with
-    ``key_starts`` needs no mask at all: item ``i`` attends keys ``[key_starts[i], b)``, every one visible to
-    every row (one call per run of items with the same start)."""
-    outs = []
+    """Rows ``[a, b)`` of the masked attention against keys ``[0, b)`` only, for each group; ``q, k, v
+    [B, H, S, hd]`` -> ``[B, Sq, H, hd]``, each group's result written straight into its rows. Exact: every key
+    at or after ``b`` is masked for every row of the group, so it adds exactly 0. A group with ``key_starts``
+    needs no mask at all: item ``i`` attends keys ``[key_starts[i], b)``, every one visible to every row (one
+    call per run of items with the same start)."""
+    out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
     with attention_kernels(backend):
         for a, b, key_starts in row_groups:
             if key_starts is None:
-                outs.append(
-                    F.scaled_dot_product_attention(
-                        q[:, :, a:b], k[:, :, :b], v[:, :, :b], attn_mask=mask[..., a:b, :b]
-                    )
+                rows = F.scaled_dot_product_attention(
+                    q[:, :, a:b], k[:, :, :b], v[:, :, :b], attn_mask=mask[..., a:b, :b]
                 )
+                out[:, a:b] = rows.transpose(1, 2)
                 continue
-            parts, item = [], 0
+            item = 0
             for start, run in itertools.groupby(key_starts):
-                n = len(list(run))
-                items = slice(item, item + n)
-                parts.append(
-                    F.scaled_dot_product_attention(
-                        q[items, :, a:b], k[items, :, start:b], v[items, :, start:b]
-                    )
+                items = slice(item, item + len(list(run)))
+                rows = F.scaled_dot_product_attention(
+                    q[items, :, a:b], k[items, :, start:b], v[items, :, start:b]
                 )
-                item += n
-            outs.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
-    return torch.cat(outs, dim=2)
+                out[items, a:b] = rows.transpose(1, 2)
+                item = items.stop
+    return out
 
 
 #: the fewest query rows a group of :func:`causal_row_groups` closes with (whole frames are added until it has
@@ -746,18 +742,63 @@ class PyramidLayout:
     row_groups: list[list[RowGroup] | None] | None = None  # per column (:func:`causal_row_groups`), or None
     grouped: bool = field(init=False)  # row_groups is set (a flag compiled blocks can branch on, see attend)
 
+    # per column: the row groups as :func:`row_group_attention` takes them (a column without groups: one group)
+    group_tables: list[torch.Tensor] | None = field(init=False)
+
     def __post_init__(self) -> None:
         self.grouped = self.row_groups is not None
+        self.group_tables = None
+        if self.row_groups is not None:
+            self.group_tables = [
+                group_table(groups or [RowGroup(0, self.text_len + n)], self.batch)
+                for groups, n in zip(self.row_groups, self.image_lengths, strict=True)
+            ]
 
     def attend(self, column: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """:func:`masked_attention` of ``column`` ([text_k; image_k] tokens) with this call's mask and kernels."""
-        if self.grouped:
+        """:func:`masked_attention` of ``column`` ([text_k; image_k] tokens) with this call's mask and kernels.
+
+        In row groups, compiled blocks trace neither the groups nor their calls (they would guard on the group
+        layout, which changes every sampler stage and training step): without gradients the groups go to the
+        :func:`row_group_attention` operator, opaque to the compiler, so a block stays one graph; with
+        gradients to :func:`_attend_in_row_groups`, run eagerly (a graph break)."""
+        if not self.grouped:
+            return masked_attention(q, k, v, self.attn_masks[column], self.attention_backend)
+        if torch.is_grad_enabled():
             return _attend_in_row_groups(self, column, q, k, v)
-        return masked_attention(q, k, v, self.attn_masks[column], self.attention_backend)
+        mask, table = self.attn_masks[column], self.group_tables[column]
+        return torch.ops.pfctl.row_group_attention(q, k, v, mask, table, self.attention_backend)
 
     @property
     def joint_lengths(self) -> list[int]:
         return [self.text_len + n for n in self.image_lengths]
+
+
+def group_table(groups: Sequence[RowGroup], batch: int) -> torch.Tensor:
+    """Row groups as a host table ``[G, 2 + batch]`` int64: start, end, then each item's key start (``-1``
+    throughout for a group attended under the mask)."""
+    rows = [[g.start, g.end, *(g.key_starts or (-1,) * batch)] for g in groups]
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def table_groups(table: torch.Tensor) -> list[RowGroup]:
+    """The row groups of a :func:`group_table`."""
+    return [RowGroup(a, b, None if ks[0] < 0 else tuple(ks)) for a, b, *ks in table.tolist()]
+
+
+@torch.library.custom_op("pfctl::row_group_attention", mutates_args=())
+def row_group_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, groups: torch.Tensor, backend: str
+) -> torch.Tensor:
+    """:func:`masked_attention` in the row groups of ``groups`` (a :func:`group_table`), as one operator:
+    ``q, k, v [B, S, H, hd]`` -> ``[B, S, H*hd]``. No gradient (the sampler's path)."""
+    return masked_attention(q, k, v, mask, backend, table_groups(groups))
+
+
+@row_group_attention.register_fake
+def _row_group_attention_shape(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, groups: torch.Tensor, backend: str
+) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1], q.shape[2] * q.shape[3])
 
 
 @torch.compiler.disable
