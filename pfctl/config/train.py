@@ -166,10 +166,16 @@ class TrainConfig(Section):
     compile: bool = False
     """``torch.compile`` each DiT block (dynamic shapes, CUDA only; ignored on the CPU): fuses the
     norms, RoPE, modulation and residuals around the matmuls, forward and backward; the first step pays
-    the compilation (~70 s). Weights and checkpoint keys are unchanged. On an H200 the miniFLUX DiT step
-    on the reference's inputs goes from 0.235 to 0.186 s (1.43x to 1.81x the reference's, same run);
-    the whole trainer with it is not yet measured on a GPU (on the CPU its blocks trace once per block
-    type across changing layouts: benchmarks/RESULTS.md)."""
+    the compilation (~70-110 s). Weights and checkpoint keys are unchanged. On an H200 the miniFLUX DiT
+    step on the reference's inputs goes from 0.235 to 0.172-0.186 s (1.8-2.2x the reference's); the whole
+    trainer with it is not yet measured on a GPU (on the CPU its blocks trace once per block type across
+    changing layouts: benchmarks/RESULTS.md)."""
+    cuda_graphs: bool = False
+    """With ``compile``: each compiled block's forward and backward is also recorded as a CUDA graph, once
+    per token count, and replayed (``torch.compile`` mode ``reduce-overhead``), so the host no longer sets
+    the step's pace. Best with few distinct shapes (each new one is recorded once, and its graphs keep
+    their memory). On an H200, with ``attention=cudnn``: 0.132 s per DiT step on the reference's inputs,
+    2.6x the reference's (benchmarks/RESULTS.md). Not with gradient checkpointing or FSDP."""
 
     # --- checkpoints ----------------------------------------------------------------------------
     checkpoint_every: int = Field(default=1000, ge=1)
@@ -250,6 +256,30 @@ def check_train_constraints(train: TrainConfig, world_size: int) -> None:
             f"train.lora.enabled=true with train.fsdp={train.fsdp}: LoRA runs are not sharded in this version",
             hint="use train.fsdp=none (several GPUs still work: data parallel), or full fine-tuning with FSDP",
         )
+    if train.cuda_graphs:
+        clash = [
+            f"{key} ({why})"
+            for key, bad, why in (
+                (
+                    "train.compile=false",
+                    not train.compile,
+                    "the graphs are recorded from the compiled blocks",
+                ),
+                (
+                    "train.gradient_checkpointing=true",
+                    train.gradient_checkpointing,
+                    "recomputes inside backward",
+                ),
+                (f"train.fsdp={train.fsdp}", train.fsdp != "none", "gathers weights around every block"),
+            )
+            if bad
+        ]
+        if clash:
+            raise ConfigError(
+                f"train.cuda_graphs=true does not work with {', '.join(clash)}",
+                hint="set train.compile=true, train.gradient_checkpointing=false and train.fsdp=none, "
+                "or train.cuda_graphs=false",
+            )
     if train.heldout_clips == 0 and train.eval_every is not None:
         raise ConfigError(
             "train.eval_every is set but train.heldout_clips is 0", hint="set train.heldout_clips=N (N > 0)"

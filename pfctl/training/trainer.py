@@ -353,6 +353,9 @@ class Trainer:
     ) -> list[torch.Tensor]:
         """The DiT on one noised batch under the runtime's autocast (text rows on the device already;
         ``text_lengths``, their valid tokens known on the host, lets ``skip_future_keys`` drop the padding)."""
+        if self.cfg.cuda_graphs and self.runtime.device.type == "cuda":
+            # a new forward: the blocks' graphs may overwrite what the last one left (nothing reads it now)
+            torch.compiler.cudagraph_mark_step_begin()
         with self.runtime.accelerator.autocast():
             return self.model(
                 sample=inputs.sample,
@@ -416,7 +419,8 @@ class Trainer:
         self.lora_targets = setup_lora(model, cfg, rt) if cfg.lora.enabled else None
         if cfg.compile:  # after LoRA: the compiled graphs then include the adapters
             if rt.device.type == "cuda":
-                model.compile_blocks(independent_sizes=True)  # column sizes change independently every step
+                # column sizes change independently every step
+                model.compile_blocks(independent_sizes=True, cuda_graphs=cfg.cuda_graphs)
             else:
                 pflog.log("train.compile is ignored on the CPU")
         self.resume_from = ckpt.resolve_resume(cfg.resume, self.out / "checkpoints")

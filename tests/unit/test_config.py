@@ -98,3 +98,29 @@ def test_every_shipped_recipe_loads(name: str) -> None:
     assert cfg == load_config(str(RECIPES_DIR / f"{name}.yaml"))
     raw = yaml.safe_load((RECIPES_DIR / f"{name}.yaml").read_text())
     assert isinstance(raw, dict) and raw.get("description"), "every recipe says what it is for"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["train.cuda_graphs=true"], ["train.compile=false"]),
+        (
+            ["train.cuda_graphs=true", "train.compile=true", "train.gradient_checkpointing=true"],
+            ["train.gradient_checkpointing=true"],
+        ),
+        (
+            ["train.cuda_graphs=true", "train.fsdp=full_shard"],
+            ["train.compile=false", "train.fsdp=full_shard"],
+        ),
+    ],
+)
+def test_cuda_graphs_names_each_setting_it_cannot_work_with(overrides: list[str], named: list[str]) -> None:
+    from pfctl.config.train import check_train_constraints
+
+    train = load_config(None, overrides).train
+    with pytest.raises(ConfigError) as info:
+        check_train_constraints(train, 1)
+    message = str(info.value).splitlines()[0]  # (the hint below it names every setting)
+    assert all(key in message for key in named)
+    assert message.count("train.") - message.count("train.cuda_graphs") == len(named)
+    check_train_constraints(load_config(None, ["train.cuda_graphs=true", "train.compile=true"]).train, 1)
