@@ -32,6 +32,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 REAL_VAE = {
     "encoder_out_channels": 16,
@@ -131,6 +132,11 @@ def main() -> None:
         default=True,
         help="generate.skip_future_keys (on by default, as in pfctl generate)",
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="then generate one more video under the profiler: GPU kernel time by kind, the costliest kernels",
+    )
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
 
@@ -207,6 +213,13 @@ def main() -> None:
         "peak_memory_gib": (report.peak_memory_bytes or 0) / 2**30 if cuda else None,
         "torch": torch.__version__,
     }
+    if args.profile and cuda:
+        from kernel_profile import kernel_breakdown
+
+        once = load_config(None, [*overrides, "generate.num_videos=1"])
+        result["profile"] = kernel_breakdown(
+            lambda: run_generate(once, ["a red circle moving left"], components=components), repeats=1, top=15
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 
@@ -220,6 +233,10 @@ def main() -> None:
     print(f"{result['size']:>10} {temp:>5} {result['frames']:>7} {dit_calls:>10} {result['sample_s']:>9.2f} "
           f"{result['decode_s']:>9.2f} {result['seconds_per_video']:>8.2f} "
           f"{1000 * result['sample_s'] / dit_calls:>8.1f} {peak:>9}")  # fmt: skip
+    if "profile" in result:
+        from kernel_profile import print_breakdown
+
+        print_breakdown("one more video under the profiler (sampling and decode)", result["profile"])
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ CLIP-L 768) stand in for the text encoders on both sides.
   norms and biases exempt from weight decay (the reference's ``create_optimizer``). The reference
   runs its masked attention with cuDNN's kernel off, as pfctl's trainer does by default (cuDNN plans
   for every new shape); pfctl on the kernel each variant names (``--train-variants``: ``efficient``
-  or ``cudnn``; ``+compile``: compiled blocks), all timed against one reference run.
+  or ``cudnn``; ``+compile``: compiled blocks; ``+graphs``: compiled blocks replayed as CUDA graphs),
+  all timed against one reference run.
 
 The reference is not part of pfctl: clone jy0205/Pyramid-Flow into a git-ignored folder (default
 ``third_party/Pyramid-Flow``) and install ``einops`` (its dependency). To run it on current
@@ -54,7 +55,6 @@ import sys
 import tempfile
 import time
 import types
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -64,6 +64,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from bench_generate import REAL_VAE, RandomTextEncoder  # noqa: E402
+from kernel_profile import kernel_breakdown, print_breakdown  # noqa: E402
 
 OPTIONAL_REFERENCE_IMPORTS = ("tensorboardX", "IPython", "timm", "torchvision")
 COVARIANCE_JITTER = 1e-6
@@ -236,45 +237,6 @@ def _timed(fn, device: torch.device):
     out = fn()
     _sync(device)
     return out, time.perf_counter() - t0, _peak_gib(device)
-
-
-KERNEL_KINDS = (  # (kind, name fragments), first match wins; the rest is "other"
-    ("attention", ("fmha", "cudnn", "flash", "attention")),
-    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas")),
-    ("optimizer", ("adam", "multi_tensor")),
-    ("compiled (inductor)", ("triton",)),
-    ("elementwise", ("elementwise", "vectorized")),
-    ("reduction", ("reduce", "norm")),
-    ("copy", ("copy", "cat", "fill")),
-)
-
-
-def kernel_breakdown(fn: Callable[[], object], repeats: int = 2) -> dict:
-    """Profile ``repeats`` calls of ``fn`` on CUDA: GPU busy time and kernel time by kind, per call."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeats):
-            fn()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by_kind: dict[str, float] = {}
-    for e in kernels:
-        name = e.name.lower()
-        kind = next((k for k, parts in KERNEL_KINDS if any(p in name for p in parts)), "other")
-        by_kind[kind] = by_kind.get(kind, 0.0) + e.time_range.elapsed_us() / 1e3 / repeats
-    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
-    busy, (start, end) = 0.0, spans[0]
-    for s, e in spans[1:]:
-        if s > end:
-            busy, start = busy + end - start, s
-        end = max(end, e)
-    busy += end - start
-    return {
-        "gpu_busy_ms": busy / 1e3 / repeats,
-        "kernels_per_call": len(kernels) / repeats,
-        "kernel_ms_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
-    }
 
 
 def autocast(device: torch.device) -> contextlib.AbstractContextManager:
@@ -492,8 +454,10 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
     group = 8 if cuda else 2
     latent_h, latent_w = (48, 80) if cuda else (8, 8)
     compiled = cuda and any("+compile" in v for v in args.train_variants)
-    steps = args.steps or (8 if compiled else 6 if cuda else 3)
-    warmup = min(3 if compiled else 2, steps - 1) if cuda else 1  # compiled: the first steps compile
+    graphs = cuda and any("+graphs" in v for v in args.train_variants)
+    steps = args.steps or (12 if graphs else 8 if compiled else 6 if cuda else 3)
+    # compiled: the first steps compile; CUDA graphs: each input shape is recorded at its second step
+    warmup = min(6 if graphs else 3 if compiled else 2, steps - 1) if cuda else 1
     folder, dit_params, text = prepare_checkpoint(device, torch.float32, None)
     positive, negative = text.encode([PROMPT] * 4), text.encode([""])
     gen = torch.Generator().manual_seed(0)
@@ -587,13 +551,17 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
         dit.set_attention_backend(attention, skip_future_keys="skip" in options)
         if compiled:
             torch._dynamo.reset()
-            dit.compile_blocks(independent_sizes=True)  # as the trainer compiles them
+            dit.compile_blocks(independent_sizes=True, cuda_graphs="graphs" in options)  # as the trainer does
         opt = build_optimizer(dit, TrainConfig(**optimizer_args))
 
         host: list[tuple[float, float, float]] = []  # per step: seconds the host spent launching each phase
 
-        def pfctl_step(i: int, dit=dit, opt=opt, skip="skip" in options, host=host) -> float:
+        def pfctl_step(
+            i: int, dit=dit, opt=opt, skip="skip" in options, graphs="graphs" in options, host=host
+        ) -> float:
             t0 = time.perf_counter()
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()
             with autocast(device):
                 preds = dit(**inputs[i], **(text_lengths[i] if skip else {}))
                 loss = flow_matching_loss(preds, targets[i]).loss
@@ -608,7 +576,9 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
 
         runs = [_timed(lambda i=i: pfctl_step(i), device) for i in range(len(inputs))]
         host_ms = [statistics.median(1e3 * h[j] for h in host[timed]) for j in range(3)]
-        profiled = kernel_breakdown(lambda: pfctl_step(len(inputs) - 1)) if cuda and args.profile else None
+        profiled = (
+            kernel_breakdown(lambda: pfctl_step(len(inputs) - 1), top=8) if cuda and args.profile else None
+        )
         diff = [abs(a[0] - b[0]) / max(abs(a[0]), 1e-12) for a, b in zip(ref_runs, runs, strict=True)]
         step_s = statistics.median(r[1] for r in runs[timed])
         variants[variant] = {
@@ -669,10 +639,7 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
             + f" ms to queue (on the CPU: to run); the step ends {1e3 * r['step_s'] - launch:.1f} ms later"
         )
         if r["profile"]:
-            kinds = ", ".join(f"{k} {ms:.1f}" for k, ms in r["profile"]["kernel_ms_by_kind"].items())
-            print(
-                f"pfctl {variant} profile: GPU busy {r['profile']['gpu_busy_ms']:.1f} ms per step; ms by kind: {kinds}"
-            )
+            print_breakdown(f"pfctl {variant} profile, per step", r["profile"])
     same = "yes" if result["agrees"] else "NO"
     print(f"ratio = reference / pfctl step; first-step loss rel. diff tolerance {tolerance:.0e}: {same}")
     return result
@@ -712,7 +679,7 @@ def main() -> None:
         type=lambda v: v.split(","),
         default=None,
         help="train: pfctl variants timed against one reference run: efficient or cudnn (train.attention), each "
-        "optionally +compile (train.compile) and +skip (train.skip_future_keys), e.g. "
+        "optionally +compile (train.compile), +graphs (train.cuda_graphs) and +skip (train.skip_future_keys), e.g. "
         "efficient,efficient+compile,efficient+compile+skip (default: from --attention, --compile, --skip-future-keys)",
     )
     parser.add_argument(
@@ -732,11 +699,14 @@ def main() -> None:
     unknown = {
         v
         for v in args.train_variants
-        if v.split("+")[0] not in ("efficient", "cudnn") or not set(v.split("+")[1:]) <= {"compile", "skip"}
+        if v.split("+")[0] not in ("efficient", "cudnn")
+        or not set(v.split("+")[1:]) <= {"compile", "graphs", "skip"}
+        or ("graphs" in v.split("+") and "compile" not in v.split("+"))
     }
     if unknown:
         parser.error(
-            f"--train-variants: unknown {sorted(unknown)} (efficient or cudnn, then +compile, +skip)"
+            f"--train-variants: unknown {sorted(unknown)} (efficient or cudnn, then +compile, +graphs "
+            "(compiled blocks as CUDA graphs: needs +compile), +skip)"
         )
     Reference, stubbed = import_reference(args.reference.resolve())
     device = torch.device(

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite in one call (2x H200: single-GPU benchmarks on GPU 0, then the
 # 2-process sync-group run and the FSDP tests on both). Results: $OUT (or ./bench-out).
-# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,gen768,gen768skip,attention]
+# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,gen768,gen768skip,gen768prof,attention]
 # (LAYOUTS=channels_last_unfused,channels_last picks the VAE layouts the vae steps time)
 # (TRAIN_VARIANTS=efficient,efficient+compile+skip picks the pfctl variants the trainvariants step times)
 # (reference: needs a Pyramid-Flow checkout in third_party/Pyramid-Flow and einops; not in the default list)
@@ -63,6 +63,10 @@ for step in gen768 gen768skip; do
     CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_generate.py --device cuda --resolution 768p --compile --decode-tile auto "${flags[@]}" --json "$OUT/$step.json" 2>&1 | tee -a "$OUT/suite.log" | tail -3;;
   esac
 done
+case ",$STEPS," in *,gen768prof,*)
+  echo "=== generate 5 s 768p, compiled blocks, eager calls: one video to compile, one under the profiler (GPU $GPU)"
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_generate.py --device cuda --resolution 768p --compile --decode-tile auto --no-cuda-graphs --videos 1 --profile --json "$OUT/gen768prof.json" 2>&1 | tee -a "$OUT/suite.log" | tail -22;;
+esac
 case ",$STEPS," in *,verify2,*)
   echo "=== verify, exact chunked encode on 2 GPUs (half the frames each)"; python benchmarks/bench_verify.py --device cuda --nproc 2 --json "$OUT/verify2.json" 2>&1 | tee -a "$OUT/suite.log" | grep -v "kept in float32" | tail -8;;
 esac
