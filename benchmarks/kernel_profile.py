@@ -12,7 +12,8 @@ from collections.abc import Callable
 import torch
 
 KERNEL_KINDS = (  # (kind, name fragments), first match wins; the rest is "other"
-    ("attention", ("fmha", "cudnn", "flash", "attention")),
+    ("attention", ("fmha", "sdpa", "flash", "attention")),
+    ("convolution", ("implicit_gemm", "conv")),  # (cuDNN's convolutions are named cudnn too: not attention)
     ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas")),
     ("optimizer", ("adam", "multi_tensor")),
     ("compiled (inductor)", ("triton",)),
