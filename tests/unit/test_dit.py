@@ -483,6 +483,40 @@ def test_causal_row_groups_skip_only_masked_keys() -> None:
     assert all(g.key_starts is None for g in causal_row_groups(text_len, grids, 1))  # text offsets unknown
 
 
+def test_row_group_attention_operator_is_the_masked_attention() -> None:
+    """The operator compiled blocks call for row groups without gradients: the groups survive its host
+    table, its result is the one-call masked attention's for any grouping (q, k, v strided as the blocks'
+    splits leave them), and its schema, shape function and kernel agree (``torch.library.opcheck``)."""
+    from pfctl.models.dit_common import (
+        RowGroup,
+        build_attention_bias,
+        causal_row_groups,
+        group_table,
+        masked_attention,
+        row_group_attention,
+        table_groups,
+    )
+
+    grids, text_len = [(1, 2, 3), (2, 4, 4), (3, 4, 4)], 5
+    text_valid = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)  # left-aligned
+    (bias,) = build_attention_bias(text_valid, [clip_frame_ids(grids, "cpu")], 1, True, torch.float32)
+    size = bias.shape[-1]
+    q, k, v = torch.randn(2, size, 3, 2, 8).unbind(2)  # [B, S, H, hd] views with a gap between rows
+    want = masked_attention(q, k, v, bias)
+    for groups in (
+        causal_row_groups(text_len, grids, 1, [2, 0]),
+        causal_row_groups(text_len, grids, 10, [2, 0]),
+        causal_row_groups(text_len, grids, 10),
+        [RowGroup(0, size)],
+    ):
+        table = group_table(groups, 2)
+        assert table_groups(table) == groups
+        got = torch.ops.pfctl.row_group_attention(q, k, v, bias, table, "auto")
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.library.opcheck(row_group_attention, (q, k, v, bias, group_table(groups, 2), "auto"))
+
+
 def test_left_aligned_text_keeps_the_valid_tokens() -> None:
     from pfctl.models.dit_common import left_align_text, right_padded_lengths
 
