@@ -133,9 +133,10 @@ class GenerateConfig(Section):
     """Keep text encoders and VAE on the CPU and move each to the GPU only for its phase
     (encode prompts → sample → decode); saves several GB of GPU memory."""
     compile: bool = False
-    """``torch.compile`` each DiT block (dynamic shapes, CUDA only). The first video pays the compilation
-    (~30 s on an H200), later ones sample faster (5 s at 384p: 15.6 s → 10.4 s); worth it for several
-    videos in one run."""
+    """``torch.compile`` each DiT block (automatic dynamic shapes: the token counts become dynamic once they
+    change; CUDA only). The first video pays the compilation (~30 s on an H200 at 384p, ~55 s at 768p),
+    later ones sample faster (5 s at 384p: 15.6 s → 10.1 s; at 768p 40.3 s); worth it for several videos in
+    one run."""
     cuda_graphs: bool = True
     """Replay each stage's DiT forward as a CUDA graph after its first step: the same kernels
     without the launch overhead that dominates the small low-resolution calls (CUDA only)."""

@@ -1181,6 +1181,12 @@ class BlockCheckpointing:
         block type serves every token count (the pyramid changes it every call), and the state-dict keys
         stay as they are. Fuses the elementwise work around the matmuls (norms, RoPE, modulation).
 
+        ``dynamic``: ``True`` makes every size of a block's inputs dynamic from the first trace; ``None``
+        (automatic, what generate uses) traces static sizes first and makes dynamic only those that change,
+        so head counts and widths stay constants. That matters wherever a block has a graph break (row
+        groups with gradients): the frames around it take all their sizes from their inputs, and with every
+        size dynamic Inductor generated generic kernels (RoPE 7x slower at 768p, benchmarks/RESULTS.md).
+
         ``independent_sizes`` (training): sizes that happen to be equal when a block is traced are not
         assumed to stay equal (PyTorch's "duck shaping" off, for the whole process), so columns whose token
         counts change independently every step do not recompile the blocks. Measured on the CPU over 24
@@ -1188,7 +1194,8 @@ class BlockCheckpointing:
 
         ``cuda_graphs`` (training): each compiled block forward and backward is also recorded as a CUDA graph
         per token count and replayed (``mode="reduce-overhead"``), so a step costs the host a few launches per
-        block instead of hundreds. The caller marks each step's start (:func:`mark_cuda_graph_step`)."""
+        block instead of hundreds. The caller marks each forward as a new step
+        (``torch.compiler.cudagraph_mark_step_begin``): what the last one left may then be overwritten."""
         import torch._inductor.config as inductor_config
 
         # inductor's coalescing analysis (a tiling heuristic: speed, not results) asserted on dynamic-shape
