@@ -89,6 +89,11 @@ def main() -> None:
         "--attention", default="efficient", choices=["auto", "efficient", "cudnn"], help="train.attention"
     )
     parser.add_argument("--compile", action="store_true", help="train.compile (compiled DiT blocks)")
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="train.cuda_graphs (compiled blocks as CUDA graphs; with --compile)",
+    )
     parser.add_argument("--skip-future-keys", action="store_true", help="train.skip_future_keys")
     args = parser.parse_args()
 
@@ -104,7 +109,9 @@ def main() -> None:
     preset = args.preset or ("miniflux" if cuda else "tiny")
     frames = args.frames or (16 if cuda else 4)
     height, width = args.height or (48 if cuda else 8), args.width or (80 if cuda else 8)
-    steps, warmup = args.steps or (10 if cuda else 20), args.warmup if args.warmup is not None else 3
+    # CUDA graphs: every new shape is recorded at its second occurrence, and the pyramid's shapes cycle
+    steps = args.steps or (10 if cuda else 20)
+    warmup = args.warmup if args.warmup is not None else (12 if args.cuda_graphs else 3)
     cfg = preset_config(preset)
     text_len = 128 if cuda else 8
 
@@ -128,6 +135,7 @@ def main() -> None:
             "train.gradient_checkpointing": args.gradient_checkpointing,
             "train.attention": args.attention,
             "train.compile": args.compile,
+            "train.cuda_graphs": args.cuda_graphs,
             "train.skip_future_keys": args.skip_future_keys,
         }
         config = load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite in one call (2x H200: single-GPU benchmarks on GPU 0, then the
 # 2-process sync-group run and the FSDP tests on both). Results: $OUT (or ./bench-out).
-# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,gen768,gen768skip,gen768prof,attention]
+# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,gen768,gen768skip,gen768prof,attention,traingraphs]
 # (LAYOUTS=channels_last_unfused,channels_last picks the VAE layouts the vae steps time)
 # (TRAIN_VARIANTS=efficient,efficient+compile+skip picks the pfctl variants the trainvariants step times)
 # (reference: needs a Pyramid-Flow checkout in third_party/Pyramid-Flow and einops; not in the default list)
@@ -69,6 +69,9 @@ case ",$STEPS," in *,gen768prof,*)
 esac
 case ",$STEPS," in *,verify2,*)
   echo "=== verify, exact chunked encode on 2 GPUs (half the frames each)"; python benchmarks/bench_verify.py --device cuda --nproc 2 --json "$OUT/verify2.json" 2>&1 | tee -a "$OUT/suite.log" | grep -v "kept in float32" | tail -8;;
+esac
+case ",$STEPS," in *,traingraphs,*)
+  echo "=== train, the whole trainer: compiled blocks as CUDA graphs, cuDNN attention (GPU $GPU)"; CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --device cuda --compile --cuda-graphs --attention cudnn --json "$OUT/train_graphs.json" 2>&1 | tee -a "$OUT/suite.log" | tail -14;;
 esac
 case ",$STEPS," in *,train,*)
   echo "=== train (no checkpointing)"; CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --device cuda --json "$OUT/train.json" 2>&1 | tee -a "$OUT/suite.log" | tail -14;;
