@@ -131,9 +131,11 @@ class Trainer:
                 if self.step % cfg.checkpoint_every == 0 or self.step == cfg.max_steps:
                     self.save_checkpoint()
                 if cfg.eval_every and self.step % cfg.eval_every == 0:
-                    self.log_metrics({"heldout_loss": self.heldout_loss()})
+                    with self.off_the_training_graphs():
+                        self.log_metrics({"heldout_loss": self.heldout_loss()})
                 if cfg.validation_every and self.step % cfg.validation_every == 0:
-                    self.validate()
+                    with self.off_the_training_graphs():
+                        self.validate()
             export = self.export() if cfg.export and self.step == cfg.max_steps else None
         finally:
             self.close()
@@ -239,6 +241,12 @@ class Trainer:
             "samples_per_s": samples / seconds,
             "step_time_s": seconds,
         }
+
+    def off_the_training_graphs(self) -> contextlib.AbstractContextManager:
+        """Under ``train.cuda_graphs``, the held-out loss and validation samples run the DiT blocks eagerly:
+        every shape those occasional calls bring would otherwise be recorded as CUDA graphs that keep their
+        memory for the rest of the run."""
+        return torch.compiler.set_stance("force_eager") if self.cfg.cuda_graphs else contextlib.nullcontext()
 
     def next_batch(self) -> TrainBatch:
         """The batch of micro-step ``self.micro_step`` on the device: the prefetched one, else loaded now."""

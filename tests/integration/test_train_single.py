@@ -160,6 +160,33 @@ def test_validation_samples_are_written(cache: Path, tmp_path: Path) -> None:
     assert latents.shape == (2, 16, 2, 8, 8) and torch.isfinite(latents).all()
 
 
+def test_held_out_loss_and_validation_leave_the_training_graphs(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``train.cuda_graphs`` the occasional calls (held-out loss, validation samples) run the compiled
+    blocks eagerly, so their shapes are never recorded as CUDA graphs; without it nothing changes stance."""
+    stances: list[str] = []
+    set_stance = torch.compiler.set_stance
+
+    def recording(stance: str, *args: object, **kwargs: object):
+        stances.append(stance)
+        return set_stance(stance, *args, **kwargs)
+
+    monkeypatch.setattr(torch.compiler, "set_stance", recording)
+    common = {
+        "max_steps": 2,
+        "heldout_clips": 2,
+        "eval_every": 1,
+        "validation_every": 2,
+        "validation_units": 2,
+    }
+    api.train(config(cache, tmp_path / "eager", export=False, **common))
+    assert stances == []
+    api.train(config(cache, tmp_path / "graphs", export=False, compile=True, cuda_graphs=True, **common))
+    assert stances == ["force_eager"] * 3  # two held-out losses, one validation
+    assert (tmp_path / "graphs" / "validation" / "step-000002.safetensors").is_file()
+
+
 @pytest.mark.slow
 def test_a_step_waits_for_the_device_once(
     cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
