@@ -177,7 +177,8 @@ class TrainConfig(Section):
     per token count, and replayed (``torch.compile`` mode ``reduce-overhead``), so the host no longer sets
     the step's pace. Best with few distinct shapes (each new one is recorded once, and its graphs keep
     their memory). On an H200, with ``attention=cudnn``: 0.132 s per DiT step on the reference's inputs,
-    2.6x the reference's (benchmarks/RESULTS.md). Not with gradient checkpointing or FSDP."""
+    2.6-3.0x the reference's (benchmarks/RESULTS.md). Held-out losses and validation samples run the
+    blocks eagerly. Not with gradient checkpointing or FSDP."""
 
     # --- checkpoints ----------------------------------------------------------------------------
     checkpoint_every: int = Field(default=1000, ge=1)
