@@ -558,6 +558,9 @@ def test_skip_future_keys_computes_the_same_attention(kind: str, monkeypatch) ->
         outs = model(**clone_args(args), text_lengths=text_lengths)
         sum(o.square().mean() for o in outs).backward()
         results.append(outs + [p.grad for p in model.parameters()])
+        with torch.no_grad():  # the sampler's path: the groups as one operator
+            for got, want in zip(model(**clone_args(args), text_lengths=text_lengths), outs, strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         assert bool(calls) == skip and all(len(groups) > 2 for groups in calls)
         mask_free = [g for groups in calls for g in groups if g.key_starts is not None]
         assert bool(mask_free) == (text_lengths is not None)
