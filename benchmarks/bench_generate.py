@@ -133,6 +133,12 @@ def main() -> None:
         help="generate.skip_future_keys (on by default, as in pfctl generate)",
     )
     parser.add_argument(
+        "--row-group-min-tokens",
+        type=int,
+        default=None,
+        help="skip_future_keys: the shortest column attended in row groups (default: pfctl's ROW_GROUP_MIN_TOKENS)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="then generate one more video under the profiler: GPU kernel time by kind, the costliest kernels",
@@ -140,6 +146,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
 
+    import pfctl.models.dit_common as dit_common
     from pfctl.config import load_config
     from pfctl.config.generate import RESOLUTIONS
     from pfctl.models.vae import TINY_CAUSAL_VAE_CONFIG
@@ -184,6 +191,8 @@ def main() -> None:
         "generate.seed=0",
     ]
     config = load_config(None, overrides)
+    if args.row_group_min_tokens is not None:
+        dit_common.ROW_GROUP_MIN_TOKENS = args.row_group_min_tokens
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     report = run_generate(config, ["a red circle moving left"], components=components)
@@ -205,6 +214,8 @@ def main() -> None:
         "dit_calls_cfg_batch2": dit_calls,
         "cuda_graphs": cuda and not args.no_cuda_graphs,
         "compile": cuda and args.compile,
+        "skip_future_keys": args.skip_future_keys,
+        "row_group_min_tokens": dit_common.ROW_GROUP_MIN_TOKENS,
         "build_s": build_s,
         "videos": rows,
         "seconds_per_video": sum(r["total_s"] for r in steady) / len(steady),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite in one call (2x H200: single-GPU benchmarks on GPU 0, then the
 # 2-process sync-group run and the FSDP tests on both). Results: $OUT (or ./bench-out).
-# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,gen768,gen768skip,gen768prof,attention,traingraphs]
+# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,gen768,gen768skip,gen768prof,attention,traingraphs,rowgroups]
 # (LAYOUTS=channels_last_unfused,channels_last picks the VAE layouts the vae steps time)
 # (TRAIN_VARIANTS=efficient,efficient+compile+skip picks the pfctl variants the trainvariants step times)
 # (reference: needs a Pyramid-Flow checkout in third_party/Pyramid-Flow and einops; not in the default list)
@@ -63,6 +63,12 @@ for step in gen768 gen768skip; do
     CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_generate.py --device cuda --resolution 768p --compile --decode-tile auto "${flags[@]}" --json "$OUT/$step.json" 2>&1 | tee -a "$OUT/suite.log" | tail -3;;
   esac
 done
+case ",$STEPS," in *,rowgroups,*)  # ROW_GROUP_MIN_TOKENS measured again (ROW_GROUP_SWEEP="0 3072" by default)
+  for n in ${ROW_GROUP_SWEEP:-0 3072}; do for res in 384p 768p; do
+    echo "=== generate 5 s $res, compiled blocks, row groups from $n tokens (GPU $GPU)"
+    CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_generate.py --device cuda --resolution $res --compile --decode-tile auto --row-group-min-tokens "$n" --json "$OUT/rowgroups_${res}_$n.json" 2>&1 | tee -a "$OUT/suite.log" | tail -1
+  done; done;;
+esac
 case ",$STEPS," in *,gen768prof,*)
   echo "=== generate 5 s 768p, compiled blocks, eager calls: one video to compile, one under the profiler (GPU $GPU)"
   CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_generate.py --device cuda --resolution 768p --compile --decode-tile auto --no-cuda-graphs --videos 1 --profile --json "$OUT/gen768prof.json" 2>&1 | tee -a "$OUT/suite.log" | tail -22;;
