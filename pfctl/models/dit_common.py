@@ -805,9 +805,9 @@ def _row_group_attention_shape(
 def _attend_in_row_groups(
     layout: PyramidLayout, column: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> torch.Tensor:
-    """:meth:`PyramidLayout.attend` in row groups, run eagerly inside compiled blocks (their graph breaks
-    here). The layout goes in whole: a compiled block never reads the groups, so it holds no guard on them
-    and a new group layout (every training step, every sampler stage) recompiles nothing."""
+    """:meth:`PyramidLayout.attend` in row groups with gradients (training), run eagerly inside compiled
+    blocks (their graph breaks here). The layout goes in whole: a compiled block never reads the groups, so
+    it holds no guard on them and a new group layout (every training step) recompiles nothing."""
     groups = layout.row_groups[column]
     return masked_attention(q, k, v, layout.attn_masks[column], layout.attention_backend, groups)
 
