@@ -9,13 +9,15 @@ A CUDA graph records the launches once and replays them with one call.
 CUDA graphs need, and a real result); the second call captures the forward into a graph over static input
 buffers; from then on every call copies its inputs into those buffers and replays. The kernels and their
 order are the same as eager execution, so the result is the same. A signature change (shapes, dtypes)
-starts over; a capture that fails falls back to eager calls for the rest of the stage.
+starts over (or, with ``keep``, finds the graph it captured before); a capture that fails falls back to
+eager calls from then on.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -60,23 +62,37 @@ def signature(leaves: list[torch.Tensor], spec: Any) -> tuple:
     return repr(spec), tuple((tuple(t.shape), t.dtype, t.device) for t in leaves)
 
 
+@dataclass
+class _Captured:
+    """One signature's graph: the static input buffers it reads and the outputs it writes."""
+
+    device: torch.device
+    graph: torch.cuda.CUDAGraph | None = None
+    inputs: list[torch.Tensor] = field(default_factory=list)
+    outputs: tuple[list[torch.Tensor], Any] | None = None
+
+
 class StageGraph:
     """Calls ``fn(**kwargs)`` eagerly once, then as a replayed CUDA graph while the input signature holds.
 
     Only for CUDA inputs and a ``fn`` whose work depends on nothing but its tensor inputs (no host
     synchronisation, no randomness, parameters left in place): the sampler's DiT in inference mode.
     Outputs are returned as fresh tensors, never the graph's static buffers.
+
+    ``keep=False`` (one stage): a new signature drops the graph of the last one. ``keep=True`` (a run of
+    several videos): the graph of every signature stays, all in one memory pool (a graph's intermediates
+    are free again once its outputs are copied out, and graphs never run at the same time), so a signature
+    seen before replays from its first call: the next video of the same size pays no warm-up and no capture.
     """
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], *, keep: bool = False) -> None:
         self.fn = fn
+        self.keep = keep
         self.replays = 0
-        self._key: tuple | None = None
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._inputs: list[torch.Tensor] = []
-        self._outputs: tuple[list[torch.Tensor], Any] | None = None
+        self.captures = 0
+        self._graphs: dict[tuple, _Captured] = {}
+        self._pool: Any = None  # the memory pool the kept graphs share
         self._stream: torch.cuda.Stream | None = None
-        self._device: torch.device | None = None  # the inputs' GPU: streams and graphs live there
         self._disabled = False
 
     def __call__(self, **kwargs: Any) -> Any:
@@ -84,51 +100,56 @@ class StageGraph:
         if self._disabled:
             return self.fn(**kwargs)
         key = signature(leaves, spec)
-        if key != self._key:  # first call of this signature: eager warm-up on a side stream
-            self.release()
-            self._key = key
-            self._device = next((t.device for t in leaves if t.is_cuda), None)
-            if self._device is None:  # nothing on a GPU: nothing to capture
+        entry = self._graphs.get(key)
+        if entry is None:  # first call of this signature: eager warm-up on a side stream
+            if not self.keep:
+                self.release()
+            device = next((t.device for t in leaves if t.is_cuda), None)
+            if device is None:  # nothing on a GPU: nothing to capture
                 self._disabled = True
                 return self.fn(**kwargs)
-            with torch.cuda.device(self._device):
-                return self._on_side_stream(lambda: self.fn(**kwargs))
-        if self._graph is None:
-            with torch.cuda.device(self._device):
-                captured = self._capture(leaves, spec)
+            self._graphs[key] = _Captured(device)
+            with torch.cuda.device(device):
+                return self._on_side_stream(device, lambda: self.fn(**kwargs))
+        if entry.graph is None:
+            with torch.cuda.device(entry.device):
+                captured = self._capture(entry, leaves, spec)
             if not captured:
                 return self.fn(**kwargs)
-        for static, value in zip(self._inputs, leaves, strict=True):
+        for static, value in zip(entry.inputs, leaves, strict=True):
             static.copy_(value)
-        self._graph.replay()
+        entry.graph.replay()
         self.replays += 1
-        out_leaves, out_spec = self._outputs
+        out_leaves, out_spec = entry.outputs
         return unflatten_tensors(out_spec, [t.clone() for t in out_leaves])
 
     def release(self) -> None:
-        """Drop the graph and its buffers (their memory goes back to the caching allocator)."""
-        self._key, self._graph, self._inputs, self._outputs = None, None, [], None
+        """Drop every graph and its buffers (their memory goes back to the caching allocator)."""
+        self._graphs, self._pool = {}, None
 
-    def _on_side_stream(self, work: Callable[[], Any]) -> Any:
-        if self._stream is None or self._stream.device != self._device:
-            self._stream = torch.cuda.Stream(self._device)
+    def _on_side_stream(self, device: torch.device, work: Callable[[], Any]) -> Any:
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device)
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
             result = work()
         torch.cuda.current_stream().wait_stream(self._stream)
         return result
 
-    def _capture(self, leaves: list[torch.Tensor], spec: Any) -> bool:
-        self._inputs = [t.detach().clone() for t in leaves]
+    def _capture(self, entry: _Captured, leaves: list[torch.Tensor], spec: Any) -> bool:
+        entry.inputs = [t.detach().clone() for t in leaves]
+        if self.keep and self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, stream=self._stream):
-                out = self.fn(**unflatten_tensors(spec, self._inputs))
-        except RuntimeError as err:  # an op that cannot be captured: run this stage eagerly
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
+                out = self.fn(**unflatten_tensors(spec, entry.inputs))
+        except RuntimeError as err:  # an op that cannot be captured: run eagerly from now on
             logger.warning("CUDA graph capture failed (%s); running the DiT eagerly", err)
             self.release()
             self._disabled = True
             return False
-        self._graph = graph
-        self._outputs = flatten_tensors(out)
+        entry.graph = graph
+        entry.outputs = flatten_tensors(out)
+        self.captures += 1
         return True

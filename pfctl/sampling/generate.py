@@ -755,6 +755,12 @@ def run_generate(
     }
     image_cache: dict[str, tuple[np.ndarray, torch.Tensor, dict[str, Any]]] = {}
     results: list[VideoResult] = []
+    graphs = None
+    if gen.cuda_graphs and device.type == "cuda" and not offload and len(jobs) > 1:
+        from pfctl.sampling.cuda_graph import StageGraph
+
+        # videos of one size repeat every stage's shapes: keep the graphs, later videos only replay them
+        graphs = StageGraph(dit, keep=True)
     total_calls = sum(_dit_calls(j, gen) for j in jobs)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -821,6 +827,7 @@ def run_generate(
                 exact_stage_end=gen.exact_stage_end,
                 reference_compat=gen.reference_compat,
                 cuda_graphs=gen.cuda_graphs,
+                graphs=graphs,
                 on_dit_call=on_call,
             )
             t_sample = time.perf_counter() - t0
@@ -867,6 +874,8 @@ def run_generate(
             results.append(result)
             pflog.log(f"  → {result.path} ({result.seconds:.1f} s)")
 
+    if graphs is not None:
+        graphs.release()
     peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
     return GenerateReport(
         videos=results,

@@ -169,6 +169,7 @@ def generate_latents(
     exact_stage_end: bool = False,
     reference_compat: bool = False,
     cuda_graphs: bool = False,
+    graphs: StageGraph | None = None,
     callback: Callable[[int, int], None] | None = None,
     on_dit_call: Callable[[dict[str, Any]], None] | None = None,
 ) -> torch.Tensor:
@@ -197,6 +198,8 @@ def generate_latents(
         cuda_graphs: replay each stage's DiT forward as a CUDA graph after its first step
             (:class:`pfctl.sampling.cuda_graph.StageGraph`: same kernels, no launch overhead);
             ignored off CUDA.
+        graphs: with ``cuda_graphs``, a ``StageGraph(dit, keep=True)`` the caller holds across calls: each
+            stage replays the graph an earlier video of the same size captured (the caller releases it).
         exact_stage_end: use n full Euler steps per stage (see
             :meth:`PyramidFlowScheduler.set_timesteps`); the default reproduces the reference grid.
         callback: ``callback(unit, num_units)`` before each unit.
@@ -287,7 +290,7 @@ def generate_latents(
             if stage > 0:
                 x = upsample_nearest2(x)
                 x = scheduler.renoise(x, stage, next_block_noise(tuple(x.shape)))
-            call_dit = StageGraph(dit) if cuda_graphs else dit
+            call_dit = (graphs if graphs is not None else StageGraph(dit)) if cuda_graphs else dit
             for i, t, sigma, sigma_next in schedule.steps():
                 model_input = torch.cat([x, x], dim=0) if cfg else x
                 timestep = t.expand(model_input.shape[0]).to(device=device, dtype=model_input.dtype)
@@ -322,7 +325,7 @@ def generate_latents(
                         }
                     )
                 x = scheduler.step(v, x, sigma, sigma_next)
-            if cuda_graphs:
+            if cuda_graphs and graphs is None:
                 call_dit.release()
         generated.append(x)
 

@@ -63,6 +63,21 @@ def test_flatten_round_trip_and_signature():
         assert signature(*flatten_tensors(changed)) != signature(leaves, spec)
 
 
+@gpu
+def test_kept_graphs_sample_videos_as_eager_sampling():
+    """A run of videos with kept graphs samples what eager calls sample; once every stage has been seen
+    twice (a one-step stage is only warmed up the first time), nothing new is captured."""
+    dit = tiny_dit().cuda()
+    graphs = StageGraph(dit, keep=True)
+    eager = _sample(dit, "cuda")
+    captured = []
+    for _ in range(3):
+        got = _sample(dit, "cuda", cuda_graphs=True, graphs=graphs)
+        torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
+        captured.append(graphs.captures)
+    assert 0 < captured[0] <= captured[1] == captured[2]
+
+
 def test_cuda_graphs_are_ignored_off_cuda():
     dit = tiny_dit()
     assert torch.equal(_sample(dit, "cpu", cuda_graphs=True), _sample(dit, "cpu"))
@@ -150,6 +165,45 @@ def test_stage_graph_replays_the_eager_result():
     for graphed, eager in outs:
         torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-6)
     assert outs[1][0].data_ptr() != outs[2][0].data_ptr()  # fresh outputs, not the static buffer
+
+
+@gpu
+@torch.no_grad()
+def test_kept_stage_graphs_replay_a_signature_seen_before_from_its_first_call():
+    """``keep=True`` (a run of several videos): each signature's graph stays, all in one memory pool; the
+    second pass over the same signatures runs no warm-up and captures nothing, and every result is still
+    the eager one (graphs sharing a pool must not overwrite each other's results)."""
+    dit = tiny_dit().cuda()
+    calls = []
+
+    def counted(**kwargs: object) -> list[torch.Tensor]:
+        calls.append(1)
+        return dit(**kwargs)
+
+    runner = StageGraph(counted, keep=True)
+    inputs = _text(dit, "cuda").model_inputs(True, "cuda", torch.float32)
+
+    def kwargs(size: int, step: int) -> dict:
+        x = torch.full((2, 16, 1, size, size), 0.1 * step, device="cuda")
+        return dict(
+            sample=[[x]],
+            timestep_ratio=torch.full((2,), 900.0 - 100 * step, device="cuda"),
+            encoder_hidden_states=inputs[0],
+            encoder_attention_mask=inputs[1],
+            pooled_projections=inputs[2],
+        )
+
+    for video in range(2):
+        for size in (4, 8):  # two stages, three steps each
+            for step in range(3):
+                got = runner(**kwargs(size, step))[0]
+                torch.testing.assert_close(got, dit(**kwargs(size, step))[0], rtol=1e-5, atol=1e-6)
+        if video == 0:
+            assert len(calls) == 4 and runner.captures == 2  # warm-up + capture per signature
+    assert len(calls) == 4 and runner.captures == 2 and runner.replays == 2 * 2 + 2 * 3
+    runner.release()
+    runner(**kwargs(4, 0))
+    assert len(calls) == 5  # released: a signature starts over
 
 
 @gpu
