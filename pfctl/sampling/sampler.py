@@ -291,9 +291,12 @@ def generate_latents(
                 x = upsample_nearest2(x)
                 x = scheduler.renoise(x, stage, next_block_noise(tuple(x.shape)))
             call_dit = (graphs if graphs is not None else StageGraph(dit)) if cuda_graphs else dit
-            for i, t, sigma, sigma_next in schedule.steps():
+            # on the device once per stage: a host tensor copied in at every step would make the host wait
+            # for the GPU at every step
+            timesteps = schedule.timesteps.to(device)
+            for i, _, sigma, sigma_next in schedule.steps():
                 model_input = torch.cat([x, x], dim=0) if cfg else x
-                timestep = t.expand(model_input.shape[0]).to(device=device, dtype=model_input.dtype)
+                timestep = timesteps[i].expand(model_input.shape[0]).to(model_input.dtype)
                 clips = [*history[stage], model_input]
                 out = call_dit(
                     sample=[clips],
