@@ -151,6 +151,12 @@ class GenerateConfig(Section):
     temporal causality hides are not computed, and a single frame's rows attend with no mask at all.
     Same results up to float rounding; at 768p sampling takes 46.4 s instead of 54.9 s on an H200
     (benchmarks/RESULTS.md). Shorter columns (all of a 384p video's) take the one masked call."""
+    row_group_min_tokens: int | None = Field(default=None, ge=0)
+    """With ``skip_future_keys``: the shortest column (text + image tokens) attended in row groups; None =
+    pfctl's default, 6,144. ``0`` groups every column: on an H200 a 768p video then takes 1.2 s less (its
+    low-resolution calls skip the hidden keys too); for 384p (every column under 3.3k tokens) the default is
+    kept: grouped it was 26% slower when grouped blocks still had graph breaks, and it has not been measured
+    since (benchmarks/RESULTS.md)."""
 
     @field_validator("num_inference_steps", "video_num_inference_steps")
     @classmethod

@@ -1104,20 +1104,32 @@ class BlockCheckpointing:
     attention_backend: str = "auto"
     #: attend query-row groups against their causal key prefix only (:func:`causal_row_groups`)
     skip_future_keys: bool = False
+    #: the shortest column attended in row groups (None: :data:`ROW_GROUP_MIN_TOKENS`)
+    row_group_min_tokens: int | None = None
 
     def blocks_in_order(self) -> list[tuple[str, nn.Module]]:  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def set_attention_backend(self, backend: str, skip_future_keys: bool = False) -> None:
+    def set_attention_backend(
+        self, backend: str, skip_future_keys: bool = False, min_tokens: int | None = None
+    ) -> None:
         """Run attention with ``backend``: ``auto`` (default), ``efficient`` or ``cudnn`` (:func:`attention_kernels`);
         with ``skip_future_keys`` (temporal-causal models only) in row groups that skip the keys causality hides
-        (:func:`causal_row_groups`). Same results up to float rounding either way."""
+        (:func:`causal_row_groups`), for columns of ``min_tokens`` or more (None: :data:`ROW_GROUP_MIN_TOKENS`).
+        Same results up to float rounding either way."""
         if backend not in ATTENTION_BACKENDS:
             raise ConfigError(
                 f"unknown attention backend {backend!r}", hint=f"use one of {', '.join(ATTENTION_BACKENDS)}"
             )
+        if min_tokens is not None and (
+            isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0
+        ):
+            raise ConfigError(
+                f"row-group threshold {min_tokens!r} is not a token count", hint="use an integer >= 0"
+            )
         self.attention_backend = backend
         self.skip_future_keys = bool(skip_future_keys)
+        self.row_group_min_tokens = min_tokens
 
     def attention_row_groups(
         self,
@@ -1125,15 +1137,16 @@ class BlockCheckpointing:
         grids: Sequence[Sequence[tuple[int, int, int]]],
         text_lengths: Sequence[int] | None,
     ) -> list[list[RowGroup] | None] | None:
-        """The per-column row groups of one forward (None for a column shorter than
-        :data:`ROW_GROUP_MIN_TOKENS`: one masked call), or None (off, no temporal causality to exploit, or no
-        column long enough). ``text_lengths`` (per text row, the text left-aligned by :meth:`align_text`) lets
-        single-frame groups run without a mask."""
+        """The per-column row groups of one forward (None for a column shorter than the threshold,
+        ``row_group_min_tokens`` or :data:`ROW_GROUP_MIN_TOKENS`: one masked call), or None (off, no temporal
+        causality to exploit, or no column long enough). ``text_lengths`` (per text row, the text left-aligned
+        by :meth:`align_text`) lets single-frame groups run without a mask."""
         if not self.row_groups_active:
             return None
+        threshold = ROW_GROUP_MIN_TOKENS if self.row_group_min_tokens is None else self.row_group_min_tokens
         groups: list[list[RowGroup] | None] = []
         for k, col in enumerate(grids):
-            if text_len + sum(t * h * w for t, h, w in col) < ROW_GROUP_MIN_TOKENS:
+            if text_len + sum(t * h * w for t, h, w in col) < threshold:
                 groups.append(None)
                 continue
             starts = None

@@ -699,7 +699,7 @@ def run_generate(
 
     if offload:
         _move(dit, device)
-    dit.set_attention_backend(gen.attention, gen.skip_future_keys)
+    dit.set_attention_backend(gen.attention, gen.skip_future_keys, gen.row_group_min_tokens)
     if gen.compile:
         if device.type == "cuda":
             # automatic dynamic shapes: the token counts become dynamic once they change, the head sizes stay

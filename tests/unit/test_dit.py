@@ -574,6 +574,13 @@ def test_skip_future_keys_computes_the_same_attention(kind: str, monkeypatch) ->
     short, long = [(1, 4, 4)], [(1, 4, 4), (2, 4, 4)]
     assert model.attention_row_groups(5, [short], None) is None
     assert [g is None for g in model.attention_row_groups(5, [short, long], None)] == [True, False]
+    model.set_attention_backend("auto", skip_future_keys=True, min_tokens=0)  # the model's own threshold
+    assert [g is None for g in model.attention_row_groups(5, [short, long], None)] == [False, False]
+    model.set_attention_backend("auto", skip_future_keys=True, min_tokens=100)
+    assert model.attention_row_groups(5, [short, long], None) is None
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="threshold"):
+            model.set_attention_backend("auto", skip_future_keys=True, min_tokens=bad)
 
 
 def test_skip_future_keys_keeps_the_padding_an_unmasked_mmdit_attends(monkeypatch) -> None:
