@@ -27,6 +27,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -97,6 +98,75 @@ def build_components(preset: str, vae_config: dict, device: torch.device, dtype:
     return Components(dit=dit, vae=PyramidCausalVAE(vae), text_encoder=text, info=info), params
 
 
+class CallTimes:
+    """Records every DiT call made through :class:`pfctl.sampling.cuda_graph.StageGraph`: the tokens of its
+    column, what the call was (``eager``: a new signature's warm-up, ``capture``: recorded then replayed,
+    ``replay``) and CUDA events around it, so that replay times and the cost of warm-ups and captures can be
+    told apart without a profiler."""
+
+    log: ClassVar[list[dict]] = []
+
+    @classmethod
+    def install(cls) -> list[dict]:
+        from pfctl.sampling import cuda_graph
+
+        call = cuda_graph.StageGraph.__call__
+
+        def timed(self, **kwargs):
+            key = cuda_graph.signature(*cuda_graph.flatten_tensors(kwargs))
+            entry = self._graphs.get(key)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = call(self, **kwargs)
+            end.record()
+            cls.log.append(
+                {
+                    "tokens": sum(c.shape[2] * c.shape[3] * c.shape[4] // 4 for c in kwargs["sample"][0]),
+                    "kind": "eager" if entry is None else "capture" if entry.graph is None else "replay",
+                    "start": start,
+                    "end": end,
+                }
+            )
+            return out
+
+        cuda_graph.StageGraph.__call__ = timed
+        return cls.log
+
+
+def call_times(log: list[dict]) -> dict:
+    """One video's DiT calls by kind (ms of GPU time between each call's events), and what the warm-ups and
+    captures cost beyond a replay of the same token count."""
+    torch.cuda.synchronize()
+    for rec in log:
+        rec["ms"] = rec["start"].elapsed_time(rec["end"])
+    fastest: dict[int, float] = {}
+    for rec in log:
+        if rec["kind"] == "replay":
+            fastest[rec["tokens"]] = min(rec["ms"], fastest.get(rec["tokens"], rec["ms"]))
+    out = {}
+    for kind in ("replay", "eager", "capture"):
+        calls = [r for r in log if r["kind"] == kind]
+        out[kind] = {
+            "calls": len(calls),
+            "ms": sum(r["ms"] for r in calls),
+            "extra_ms": sum(r["ms"] - fastest[r["tokens"]] for r in calls if r["tokens"] in fastest),
+        }
+    out["replay_ms_by_tokens"] = {str(n): ms for n, ms in sorted(fastest.items())}
+    out["calls_ms"] = sum(r["ms"] for r in log)
+    out["span_ms"] = log[0]["start"].elapsed_time(log[-1]["end"])
+    return out
+
+
+def print_call_times(times: dict) -> None:
+    print(f"DiT calls of the last video: {times['calls_ms'] / 1e3:.2f} s inside calls, {times['span_ms'] / 1e3:.2f} s "
+          "from the first call's start to the last one's end (GPU events)")  # fmt: skip
+    for kind in ("replay", "eager", "capture"):
+        t = times[kind]
+        print(
+            f"{kind:>8}: {t['calls']:>4} calls, {t['ms'] / 1e3:6.2f} s, {t['extra_ms'] / 1e3:5.2f} s more than replays"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -136,12 +206,17 @@ def main() -> None:
         "--row-group-min-tokens",
         type=int,
         default=None,
-        help="skip_future_keys: the shortest column attended in row groups (default: pfctl's ROW_GROUP_MIN_TOKENS)",
+        help="generate.row_group_min_tokens: the shortest column attended in row groups (default: pfctl's)",
     )
     parser.add_argument(
         "--profile",
         action="store_true",
         help="then generate one more video under the profiler: GPU kernel time by kind, the costliest kernels",
+    )
+    parser.add_argument(
+        "--call-times",
+        action="store_true",
+        help="CUDA graphs: time every DiT call of the last video on the GPU (replays, warm-ups, captures)",
     )
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
@@ -188,13 +263,16 @@ def main() -> None:
         f"generate.cuda_graphs={str(not args.no_cuda_graphs).lower()}",
         f"generate.attention={args.attention}",
         f"generate.skip_future_keys={str(args.skip_future_keys).lower()}",
+        f"generate.row_group_min_tokens={'null' if args.row_group_min_tokens is None else args.row_group_min_tokens}",
         "generate.seed=0",
+        # the mp4 write is not timed (as the reference's figures, it is not part of a video's seconds); the
+        # random-weight frames are noise, slow to compress on one thread
+        "generate.encoder_threads=0",
     ]
     config = load_config(None, overrides)
-    if args.row_group_min_tokens is not None:
-        dit_common.ROW_GROUP_MIN_TOKENS = args.row_group_min_tokens
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    timed = CallTimes.install() if args.call_times and cuda and not args.no_cuda_graphs else None
     report = run_generate(config, ["a red circle moving left"], components=components)
     rows = []
     for video in report.videos:
@@ -215,7 +293,11 @@ def main() -> None:
         "cuda_graphs": cuda and not args.no_cuda_graphs,
         "compile": cuda and args.compile,
         "skip_future_keys": args.skip_future_keys,
-        "row_group_min_tokens": dit_common.ROW_GROUP_MIN_TOKENS,
+        "row_group_min_tokens": (
+            dit_common.ROW_GROUP_MIN_TOKENS
+            if args.row_group_min_tokens is None
+            else args.row_group_min_tokens
+        ),
         "build_s": build_s,
         "videos": rows,
         "seconds_per_video": sum(r["total_s"] for r in steady) / len(steady),
@@ -224,6 +306,9 @@ def main() -> None:
         "peak_memory_gib": (report.peak_memory_bytes or 0) / 2**30 if cuda else None,
         "torch": torch.__version__,
     }
+    if timed is not None:
+        calls_per_video = len(timed) // args.videos
+        result["call_times"] = call_times(timed[-calls_per_video:])
     if args.profile and cuda:
         from kernel_profile import kernel_breakdown
 
@@ -244,6 +329,8 @@ def main() -> None:
     print(f"{result['size']:>10} {temp:>5} {result['frames']:>7} {dit_calls:>10} {result['sample_s']:>9.2f} "
           f"{result['decode_s']:>9.2f} {result['seconds_per_video']:>8.2f} "
           f"{1000 * result['sample_s'] / dit_calls:>8.1f} {peak:>9}")  # fmt: skip
+    if "call_times" in result:
+        print_call_times(result["call_times"])
     if "profile" in result:
         from kernel_profile import print_breakdown
 
