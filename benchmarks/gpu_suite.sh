@@ -60,7 +60,7 @@ for step in gen768 gen768skip; do
   case ",$STEPS," in *,$step,*)
     flags=(--no-skip-future-keys); [ $step = gen768skip ] && flags=(--skip-future-keys)
     echo "=== generate 5 s 768p, compiled blocks ${flags[*]} (GPU $GPU)"
-    CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_generate.py --device cuda --resolution 768p --compile --decode-tile auto "${flags[@]}" --json "$OUT/$step.json" 2>&1 | tee -a "$OUT/suite.log" | tail -3;;
+    CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_generate.py --device cuda --resolution 768p --compile --decode-tile auto --call-times "${flags[@]}" --json "$OUT/$step.json" 2>&1 | tee -a "$OUT/suite.log" | tail -7;;
   esac
 done
 case ",$STEPS," in *,rowgroups,*)  # ROW_GROUP_MIN_TOKENS measured again (ROW_GROUP_SWEEP="0 3072" by default)
