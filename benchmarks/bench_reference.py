@@ -323,7 +323,8 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
     skip = GenerateConfig().skip_future_keys if args.skip_future_keys is None else args.skip_future_keys
     dit.set_attention_backend(args.attention or "auto", skip)
     if args.compile and cuda:
-        dit.compile_blocks()  # the first timed run pays the compilation; the last one is reported
+        # as pfctl generate compiles (automatic dynamic shapes); the first timed run pays the compilation
+        dit.compile_blocks(dynamic=None)
     vae = load_vae(str(folder / "causal_video_vae"), dtype=dtype, device=device)
     conditioning = TextConditioning.from_pair(positive, negative)
     common = dict(
