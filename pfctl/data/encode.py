@@ -19,6 +19,7 @@ kill a real run half way and check that the rerun only encodes what is missing.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -345,11 +346,17 @@ def _prefetch_thread(
     work: list[tuple[Item, frozenset[str]]],
     settings: FrameSettings,
     depth: int,
-    stop: threading.Event,
     pin: bool = False,
 ) -> Iterator[DecodedItem]:
-    """Decode in one background thread (decord and torch release the GIL while they work)."""
+    """Decode in one background thread (decord and torch release the GIL while they work).
+
+    However the consumer stops (done, an error such as a full disk, or leaving the loop early), the thread
+    is stopped and joined before this generator closes: it finishes the clip in hand, and the queue is
+    drained so that a put it is blocked in returns. A decoder still running in native code when the
+    interpreter exits can abort the process ("terminate called without an active exception") and turn a
+    clean exit code into a crash."""
     box: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
     done = object()
 
     def produce() -> None:
@@ -365,13 +372,20 @@ def _prefetch_thread(
 
     thread = threading.Thread(target=produce, name="pfctl-decode", daemon=True)
     thread.start()
-    while True:
-        got = box.get()
-        if got is done:
-            break
-        if isinstance(got, BaseException):
-            raise got
-        yield got
+    try:
+        while True:
+            got = box.get()
+            if got is done:
+                break
+            if isinstance(got, BaseException):
+                raise got
+            yield got
+    finally:
+        stop.set()
+        while thread.is_alive():
+            with contextlib.suppress(queue.Empty):
+                box.get(timeout=0.05)
+        thread.join()
 
 
 def decoded_items(
@@ -398,11 +412,7 @@ def decoded_items(
         )
         yield from loader
         return
-    stop = threading.Event()
-    try:
-        yield from _prefetch_thread(work, settings, prefetch, stop, pin)
-    finally:
-        stop.set()
+    yield from _prefetch_thread(work, settings, prefetch, pin)
 
 
 # ---------------------------------------------------------------------------------------- encoding

@@ -254,6 +254,41 @@ def test_clips_are_pipelined_one_deep(
     assert events == ["encode"] + ["encode", "write"] * (n - 1) + ["write"]
 
 
+def test_decode_thread_is_joined_however_the_consumer_stops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An encode that stops early (a full disk, say) leaves no decode thread behind, even one blocked on the
+    full prefetch queue: a decoder still in native code when the interpreter exits can abort the process
+    ("terminate called without an active exception", exit -6 instead of 1)."""
+    import threading
+
+    import pfctl.data.encode as encode
+
+    decoded: list[int] = []
+
+    def decode_item(item, settings, skip):
+        time.sleep(0.01)
+        decoded.append(item)
+        return item
+
+    monkeypatch.setattr(encode, "decode_item", decode_item)
+
+    def decoders() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "pfctl-decode"]
+
+    work = [(i, frozenset()) for i in range(50)]
+    items = encode.decoded_items(work, settings=None, num_workers=0, prefetch=1)
+    assert next(items) == 0
+    time.sleep(0.1)  # the thread has filled the queue and waits to put the next clip
+    assert decoders()
+    with pytest.raises(OSError, match="No space"):
+        for _ in items:
+            raise OSError(28, "No space left on device")
+    items.close()
+    assert not decoders()
+    assert len(decoded) < len(work)  # it stopped instead of decoding the rest
+    assert list(encode.decoded_items(work[:3], settings=None, num_workers=0, prefetch=1)) == [0, 1, 2]
+    assert not decoders()
+
+
 def test_input_errors_exit_2(corpus: Path, tmp_path: Path, runtime) -> None:
     with pytest.raises(InputError, match="does not exist"):
         run_encode(_config(tmp_path / "none.jsonl", tmp_path / "c"), runtime=runtime)
