@@ -837,13 +837,17 @@ def run_encode(
     try:
         with pflog.progress(f"encoding (rank {rank})" if world > 1 else "encoding", total=len(work)) as bar:
             pin = device.type == "cuda"
-            for decoded in decoded_items(work, settings, cfg.num_workers, cfg.prefetch, pin):
-                failed_items += encoder.handle(decoded)
-                rate = encoder.encoded / max(time.monotonic() - t0, 1e-9)
-                bar.update(1, clips=encoder.encoded, clips_per_s=f"{rate:.2f}", failed=failed_items)
-                if max_failures is not None and failed_items > max_failures:
-                    report.stopped_early = True
-                    break
+            # closed on the way out whatever happens (the decoders stop now, not whenever the error is freed)
+            with contextlib.closing(
+                decoded_items(work, settings, cfg.num_workers, cfg.prefetch, pin)
+            ) as items:
+                for decoded in items:
+                    failed_items += encoder.handle(decoded)
+                    rate = encoder.encoded / max(time.monotonic() - t0, 1e-9)
+                    bar.update(1, clips=encoder.encoded, clips_per_s=f"{rate:.2f}", failed=failed_items)
+                    if max_failures is not None and failed_items > max_failures:
+                        report.stopped_early = True
+                        break
             failed_items += encoder.finish()  # the last clip in flight
     except BaseException as exc:
         aborted = f"{type(exc).__name__}: {exc}"
