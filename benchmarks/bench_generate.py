@@ -207,7 +207,7 @@ def main() -> None:
         "--row-group-min-tokens",
         type=int,
         default=None,
-        help="generate.row_group_min_tokens: the shortest column attended in row groups (default: pfctl's)",
+        help="generate.row_group_min_tokens: the shortest column attended in row groups (default: generate's, 0)",
     )
     parser.add_argument(
         "--profile",
@@ -264,12 +264,13 @@ def main() -> None:
         f"generate.cuda_graphs={str(not args.no_cuda_graphs).lower()}",
         f"generate.attention={args.attention}",
         f"generate.skip_future_keys={str(args.skip_future_keys).lower()}",
-        f"generate.row_group_min_tokens={'null' if args.row_group_min_tokens is None else args.row_group_min_tokens}",
         "generate.seed=0",
         # the mp4 write is not timed (as the reference's figures, it is not part of a video's seconds); the
         # random-weight frames are noise, slow to compress on one thread
         "generate.encoder_threads=0",
     ]
+    if args.row_group_min_tokens is not None:
+        overrides.append(f"generate.row_group_min_tokens={args.row_group_min_tokens}")
     config = load_config(None, overrides)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -296,9 +297,10 @@ def main() -> None:
         "skip_future_keys": args.skip_future_keys,
         "row_group_min_tokens": (
             dit_common.ROW_GROUP_MIN_TOKENS
-            if args.row_group_min_tokens is None
-            else args.row_group_min_tokens
+            if config.generate.row_group_min_tokens is None
+            else config.generate.row_group_min_tokens
         ),
+        "row_group_min_rows": dit_common.ROW_GROUP_MIN_ROWS,
         "build_s": build_s,
         "videos": rows,
         "seconds_per_video": sum(r["total_s"] for r in steady) / len(steady),

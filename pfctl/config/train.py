@@ -160,7 +160,7 @@ class TrainConfig(Section):
     ``auto`` PyTorch's choice (cuDNN on H100/H200). Same loss within bf16 rounding; no effect on the CPU."""
     skip_future_keys: bool = False
     """Cut the text padding and attend the query rows of long columns (6,144+ tokens) in groups of whole
-    frames (~1k rows; a frame that large alone), each against the keys up to its last frame only, forward
+    frames (512+ rows; a frame that large alone), each against the keys up to its last frame only, forward
     and backward; a single frame's rows attend with no mask. Same loss up to float rounding. Off by
     default: measured on an H200 at 384p, grouped training steps were slower (compiled 0.269 vs 0.198 s:
     the graph breaks cost more host time than the kernels save), and 384p columns are now too short to be
