@@ -297,6 +297,17 @@ with the fused norms (window 1: 7.00 GiB, window 2: 9.82 GiB, bf16 result; the f
 726 bytes per pixel to the fixed part)."""
 
 
+def host_frames(frames: torch.Tensor) -> np.ndarray:
+    """Decoded uint8 frames as a host array, copied from a GPU through pinned memory: on an H200 a 768p
+    video's frames (357 MB) took 224 ms to copy into pageable memory and 6.5 ms into pinned memory (PyTorch
+    caches the pinned block, so later videos reuse it)."""
+    if frames.device.type != "cuda":
+        return frames.numpy()
+    host = torch.empty(frames.shape, dtype=frames.dtype, pin_memory=True)
+    host.copy_(frames)
+    return host.numpy()
+
+
 def free_memory(device: torch.device) -> int:
     """Bytes a new allocation could use: the device's free memory plus what PyTorch holds unused
     (CUDA), or the host's available memory (CPU)."""
@@ -857,7 +868,7 @@ def run_generate(
                 # the sidecar records the tile size used, so a re-run decodes the same way
                 config=config.model_copy(update={"generate": gen.model_copy(update={"decode_tile": tile})}),
                 job=job,
-                frames=frames[0].cpu().numpy(),
+                frames=host_frames(frames[0]),
                 latents=latents,
                 prompt_used=prompt_used,
                 width=width,

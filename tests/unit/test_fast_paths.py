@@ -7,6 +7,7 @@ backend (the same dynamo capture and dynamic shapes as inductor, without code ge
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -378,6 +379,25 @@ def test_attention_settings_on_cuda_agree(monkeypatch) -> None:
         # of the side-by-side harness for the same noise (benchmarks/bench_reference.py)
         rel_l2 = float((s_latents - latents).norm() / latents.norm())
         assert rel_l2 <= 5e-2, (setting, rel_l2)
+
+
+@gpu
+def test_host_frames_copies_cuda_frames_through_pinned_memory() -> None:
+    from pfctl.sampling.generate import host_frames
+
+    frames = torch.randint(0, 256, (9, 16, 24, 3), dtype=torch.uint8, device="cuda")
+    first, second = host_frames(frames), host_frames(frames.flip(0))
+    assert np.array_equal(first, frames.cpu().numpy())
+    assert np.array_equal(second, frames.flip(0).cpu().numpy())  # a second copy leaves the first intact
+    assert np.array_equal(first, frames.cpu().numpy())
+
+
+def test_host_frames_of_cpu_frames_share_their_memory() -> None:
+    from pfctl.sampling.generate import host_frames
+
+    frames = torch.zeros(2, 4, 4, 3, dtype=torch.uint8)
+    host_frames(frames)[0, 0, 0, 0] = 7
+    assert int(frames[0, 0, 0, 0]) == 7
 
 
 @gpu
