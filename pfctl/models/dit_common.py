@@ -36,6 +36,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from pfctl.errors import ConfigError, InputError
+from pfctl.models import fused_qk
 
 logger = logging.getLogger(__name__)
 
@@ -443,6 +444,17 @@ def apply_rope(x: torch.Tensor, table: RotaryTable) -> torch.Tensor:
     products and sums autograd would form for ``(c*x0 - s*x1, s*x0 + c*x1)``.
     """
     return _Rotary.apply(x, table.a, table.b, table.a_t, table.b_t)
+
+
+def norm_rope(x: torch.Tensor, norm: nn.Module | None, table: RotaryTable | None) -> torch.Tensor:
+    """``apply_rope(norm(x), table)`` for q or k ``[B, S, H, hd]`` (no norm when ``norm`` is None, no rotation
+    when ``table`` is None): one Triton kernel for an :class:`RMSNorm` and a rotation where
+    :func:`pfctl.models.fused_qk.applies` (CUDA inference), the PyTorch ops otherwise."""
+    if table is not None and isinstance(norm, RMSNorm) and fused_qk.applies(x, norm.weight):
+        return torch.ops.pfctl.rms_norm_rope(x, norm.weight, table.a, table.b, norm.eps)
+    if norm is not None:
+        x = norm(x)
+    return x if table is None else apply_rope(x, table)
 
 
 def with_text_identity(
@@ -971,10 +983,7 @@ class DualStreamAttention(nn.Module):
         q = self._heads(self.to_q(hidden_states))
         k = self._heads(self.to_k(hidden_states))
         v = self._heads(self.to_v(hidden_states))
-        if self.norm_q is not None:
-            q, k = self.norm_q(q), self.norm_k(k)
-        if layout.rope is not None:
-            q, k = apply_rope(q, layout.rope), apply_rope(k, layout.rope)
+        q, k = norm_rope(q, self.norm_q, layout.rope), norm_rope(k, self.norm_k, layout.rope)
         # text side: [K*Bc, L, D] -> [K*Bc, L, H, hd]
         norm_cq, norm_ck = getattr(self, self._ctx_q), getattr(self, self._ctx_k)
         cq = self._heads(self.add_q_proj(encoder_hidden_states))

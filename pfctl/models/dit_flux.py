@@ -37,7 +37,6 @@ from pfctl.models.dit_common import (
     PyramidLayout,
     RMSNorm,
     TimestepTextEmbedding,
-    apply_rope,
     attention_dtype,
     by_column,
     check_forward_inputs,
@@ -48,6 +47,7 @@ from pfctl.models.dit_common import (
     init_reference_weights,
     layer_norm,
     modulate_columns,
+    norm_rope,
     note_flash_flag,
     padded_attention_bias,
     rope_tables,
@@ -92,10 +92,9 @@ class FluxSingleAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, layout: PyramidLayout) -> torch.Tensor:
         """``x [Bc, sum(L+n_k), D]`` in the single-stream layout -> ``[Bc, sum(L+n_k), H*hd]``."""
-        q = self.norm_q(self.to_q(x).unflatten(-1, (self.heads, self.head_dim)))  # [Bc, T, H, hd]
-        k = self.norm_k(self.to_k(x).unflatten(-1, (self.heads, self.head_dim)))
-        v = self.to_v(x).unflatten(-1, (self.heads, self.head_dim))
-        q, k = apply_rope(q, layout.joint_rope), apply_rope(k, layout.joint_rope)
+        q = norm_rope(self.to_q(x).unflatten(-1, (self.heads, self.head_dim)), self.norm_q, layout.joint_rope)
+        k = norm_rope(self.to_k(x).unflatten(-1, (self.heads, self.head_dim)), self.norm_k, layout.joint_rope)
+        v = self.to_v(x).unflatten(-1, (self.heads, self.head_dim))  # [Bc, T, H, hd]
         lengths = layout.joint_lengths
         outs = [
             layout.attend(column, qc, kc, vc)

@@ -3,6 +3,10 @@ gradients (CPU, several dtype mixes), and no more kept for backward than autogra
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -202,3 +206,57 @@ def test_attention_bias_matches_the_boolean_mask_bit_for_bit(dtype, text_len, im
             [q, kk, v],
         )
         assert_bitwise(fused, plain)
+
+
+_FUSED_QK_CHECK = """
+import torch
+from pfctl.models.dit_common import RMSNorm, apply_rope, rope_tables, rotary_table
+torch.manual_seed(0)
+worst = 0.0
+for b, s, h, hd in [(2, 37, 3, 64), (1, 5, 2, 16), (3, 11, 30, 64)]:  # rows that do not fill a program too
+    norm = RMSNorm(hd, eps=1e-6).half()
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.3)
+    pos = torch.stack([torch.randint(0, 9, (s,)), torch.randint(0, 20, (s,)), torch.randint(0, 30, (s,))], 1)
+    table = rotary_table(*rope_tables(pos.float(), [hd // 4, hd // 8 * 3, hd // 8 * 3]))
+    x = (torch.randn(b, s, h, hd) * 3 + 0.5).half()
+    with torch.no_grad():
+        want = apply_rope(norm(x), table).float()
+        got = torch.ops.pfctl.rms_norm_rope(x, norm.weight, table.a, table.b, norm.eps).float()
+    assert got.shape == want.shape
+    # the same rounding steps: equal but where the sum of squares' order moves a rounding by one step
+    assert (got == want).float().mean() > 0.999
+    worst = max(worst, ((got - want).abs() / want.abs().clamp_min(1.0)).max().item())
+print(worst)
+"""
+
+
+def test_fused_qk_norm_rope_kernel_in_the_triton_interpreter() -> None:
+    """The Triton kernel that norms and rotates q/k on CUDA (``pfctl::rms_norm_rope``), run on CPU by
+    Triton's interpreter against ``apply_rope(RMSNorm(x))``: float16, because the interpreter truncates
+    float32 -> bfloat16 conversions where the GPU rounds (bfloat16 is checked on CUDA in test_fast_paths)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", _FUSED_QK_CHECK], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert float(run.stdout.split()[-1]) < 2.5e-3  # two float16 rounding steps at most
+
+
+@pytest.mark.parametrize("norm_kind", ["rms", "none"])
+@pytest.mark.parametrize("with_table", [True, False])
+def test_norm_rope_off_cuda_is_the_two_steps(norm_kind: str, with_table: bool) -> None:
+    """Off CUDA (and with gradients) norm_rope is the norm then the rotation, bit for bit."""
+    from pfctl.models.dit_common import norm_rope, rope_tables
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 3, 16, dtype=BF16, requires_grad=True)
+    norm = RMSNorm(16, eps=1e-6).to(BF16) if norm_kind == "rms" else None
+    table = rotary_table(*rope_tables(torch.arange(18.0).view(6, 3), [4, 6, 6])) if with_table else None
+    want = x if norm is None else norm(x)
+    want = want if table is None else apply_rope(want, table)
+    got = norm_rope(x, norm, table)
+    assert torch.equal(got, want)
+    got.float().sum().backward()  # the gradient flows through the PyTorch path
+    assert x.grad is not None

@@ -382,6 +382,48 @@ def test_attention_settings_on_cuda_agree(monkeypatch) -> None:
 
 
 @gpu
+def test_fused_qk_kernel_on_cuda_matches_the_pytorch_path(monkeypatch) -> None:
+    """The q/k norm + rotation kernel (``pfctl::rms_norm_rope``) on bf16 gives the PyTorch path's values
+    (the same rounding steps; a sum of squares in another order may move one by a step), and a video sampled
+    with it inside compiled blocks replayed as CUDA graphs, as ``pfctl generate`` runs it, matches the video
+    sampled with the PyTorch ops."""
+    from pfctl.models import fused_qk
+    from pfctl.models.dit_common import RMSNorm, norm_rope, rope_tables, rotary_table
+
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(64, eps=1e-6).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=gen) * 0.3 + 1)
+    positions = torch.stack([torch.arange(300) // 60, torch.arange(300) // 10 % 6, torch.arange(300) % 10], 1)
+    table = rotary_table(*rope_tables(positions.float().cuda(), [16, 24, 24]))
+    x = (torch.randn(2, 300, 30, 64, generator=gen) * 3 + 0.5).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        assert fused_qk.applies(x, norm.weight)
+        got = norm_rope(x, norm, table).float()
+        monkeypatch.setattr(fused_qk, "ENABLED", False)
+        want = norm_rope(x, norm, table).float()
+    assert (got == want).float().mean() > 0.99
+    assert float(((got - want).abs() / want.abs().clamp_min(1.0)).max()) < 2 * 2**-7  # two bf16 steps
+
+    head_64 = {"attention_head_dim": 64, "axes_dims_rope": [16, 24, 24]}
+    latents = {}
+    for enabled in (False, True):
+        monkeypatch.setattr(fused_qk, "ENABLED", enabled)
+        dit = tiny_dit(overrides=head_64).cuda().to(torch.bfloat16).eval()
+        dit.set_attention_backend("auto", skip_future_keys=True)
+        torch._dynamo.reset()
+        dit.compile_blocks(dynamic=None)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            latents[enabled] = _sample(dit, "cuda", cuda_graphs=True, dtype=torch.bfloat16).float()
+            torch.cuda.synchronize()
+        ran = any("rms_norm_rope" in e.name for e in prof.events())
+        assert ran == enabled
+    torch._dynamo.reset()
+    rel_l2 = float((latents[True] - latents[False]).norm() / latents[False].norm())
+    assert rel_l2 <= 5e-2, rel_l2
+
+
+@gpu
 def test_host_frames_copies_cuda_frames_through_pinned_memory() -> None:
     from pfctl.sampling.generate import host_frames
 

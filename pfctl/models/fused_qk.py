@@ -1,0 +1,118 @@
+"""The per-head RMS norm of queries and keys and their rotary embedding in one Triton kernel (CUDA, inference).
+
+Both DiTs norm each head of q and k (``RMSNorm`` over the head width) and then rotate its channel pairs
+(:func:`~pfctl.models.dit_common.apply_rope`). Compiled with the blocks, Inductor fuses the two into one kernel
+per block, but one that reads each channel pair with gathers that do not vectorise: in a large 768p sampling
+call on an H200 it moved ~0.4 GB in ~0.42 ms per block (~1 TB/s, a fifth of the card's bandwidth), ~10 ms of
+the call's 208 ms (benchmarks/RESULTS.md). This kernel reads each row of ``hd`` channels once, contiguously,
+splits it into its pairs in registers and writes the rotated row back contiguously.
+
+The arithmetic is the eager path's, step by step: ``rstd = rsqrt(mean(float(x)^2) + eps)``, ``x * rstd``
+rounded to the weight's dtype, times the weight rounded again, then ``(c*x0 - s*x1, s*x0 + c*x1)`` with each
+product and the sum in float32 (no fused multiply-add, as PyTorch's separate kernels) rounded once to ``x``'s
+dtype. Only the order of the 64-term sum of squares differs, so results agree to within a bf16 rounding step.
+
+Used by :func:`~pfctl.models.dit_common.norm_rope` where :func:`applies` says so (CUDA, half-precision q/k
+and weight, no autograd, Triton importable, not switched off with ``PFCTL_FUSED_QK=0``) and the norm is an RMS
+norm followed by a rotation; everything else, training included, takes the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["ENABLED", "applies", "rms_norm_rope"]
+
+#: switch the kernel off (``PFCTL_FUSED_QK=0``, or set this to False) to run PyTorch's ops instead
+ENABLED = os.environ.get("PFCTL_FUSED_QK", "1") != "0"
+_HAS_TRITON = (
+    importlib.util.find_spec("triton") is not None
+)  # a constant to compiled blocks (no import there)
+_ROWS_PER_PROGRAM = 32
+
+
+def applies(x: Tensor, weight: Tensor) -> bool:
+    """True when :func:`rms_norm_rope` can take ``x [B, S, H, hd]`` with the norm weight ``weight [hd]``:
+    contiguous on CUDA, in the weight's half-precision dtype, ``hd`` a power of two, no gradient wanted
+    (the caller, :func:`~pfctl.models.dit_common.norm_rope`, checks the norm is an RMS norm with a table)."""
+    hd = x.shape[-1]
+    return (
+        ENABLED
+        and _HAS_TRITON
+        and x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and x.dim() == 4
+        and x.is_contiguous()
+        and hd >= 2
+        and hd & (hd - 1) == 0
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    )
+
+
+@torch.library.custom_op("pfctl::rms_norm_rope", mutates_args=())
+def rms_norm_rope(x: Tensor, weight: Tensor, a: Tensor, b: Tensor, eps: float) -> Tensor:
+    """The kernel behind :func:`~pfctl.models.dit_common.norm_rope`: ``x [B, S, H, hd]``, ``weight [hd]``, the forward tables ``a, b``
+    of a :class:`RotaryTable` (``[S, 1, hd/2, 2]`` float32) -> ``[B, S, H, hd]`` like ``x``."""
+    import triton
+
+    batch, seq, heads, hd = x.shape
+    out = torch.empty_like(x)
+    rows = batch * seq * heads
+    _kernel()[(triton.cdiv(rows, _ROWS_PER_PROGRAM),)](
+        x,
+        weight.contiguous(),
+        a.contiguous(),
+        b.contiguous(),
+        out,
+        rows,
+        heads,
+        seq,
+        eps,
+        HD=hd,
+        ROWS=_ROWS_PER_PROGRAM,
+        enable_fp_fusion=False,  # products and sums rounded one by one, as PyTorch's kernels do
+    )
+    return out
+
+
+@rms_norm_rope.register_fake
+def _rms_norm_rope_shape(x: Tensor, weight: Tensor, a: Tensor, b: Tensor, eps: float) -> Tensor:
+    return torch.empty_like(x)
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rms_norm_rope_kernel(x_ptr, w_ptr, a_ptr, b_ptr, out_ptr, rows, heads, seq, eps, HD: tl.constexpr,
+                             ROWS: tl.constexpr):  # fmt: skip
+        # rows are (item, token, head) in x's order; each holds HD channels, HD/2 pairs (x0, x1)
+        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        keep = (row < rows)[:, None]
+        col = tl.arange(0, HD)[None, :]
+        x = tl.load(x_ptr + row[:, None] * HD + col, mask=keep, other=0.0).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / HD + eps)[:, None]
+        dtype = out_ptr.dtype.element_ty
+        w = tl.load(w_ptr + col).to(tl.float32)
+        y = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+        token = (row // heads) % seq  # the table row of each x row
+        at = token[:, None] * HD + col
+        a = tl.load(a_ptr + at, mask=keep, other=0.0)
+        b = tl.load(b_ptr + at, mask=keep, other=0.0)
+        y0, y1 = tl.split(tl.reshape(y, (ROWS, HD // 2, 2)))
+        # out[..., i, j] = x0[i] * a[i, j] + x1[i] * b[i, j]: with both pair members broadcast over j
+        pair0 = tl.reshape(tl.join(y0, y0), (ROWS, HD))
+        pair1 = tl.reshape(tl.join(y1, y1), (ROWS, HD))
+        out = pair0 * a + pair1 * b
+        tl.store(out_ptr + row[:, None] * HD + col, out.to(dtype), mask=keep)
+
+    return rms_norm_rope_kernel
