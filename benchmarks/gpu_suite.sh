@@ -63,8 +63,10 @@ for step in gen768 gen768skip; do
     CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_generate.py --device cuda --resolution 768p --compile --decode-tile auto --call-times "${flags[@]}" --json "$OUT/$step.json" 2>&1 | tee -a "$OUT/suite.log" | tail -7;;
   esac
 done
-case ",$STEPS," in *,rowgroups,*)  # ROW_GROUP_MIN_TOKENS measured again (ROW_GROUP_SWEEP="0 3072" by default)
-  for n in ${ROW_GROUP_SWEEP:-0 3072}; do for res in 384p 768p; do
+case ",$STEPS," in *,rowgroups,*)  # the attention of a whole video by row-group setting, then videos end to end
+  echo "=== attention of a whole 768p and 384p video by row-group setting (GPU $GPU)"
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_video_attention.py --device cuda --settings "${ROW_GROUP_SETTINGS:-6144:1024,0:1024,0:512}" --json "$OUT/video_attention.json" 2>&1 | tee -a "$OUT/suite.log" | tail -8
+  for n in ${ROW_GROUP_SWEEP:-0 6144}; do for res in 384p 768p; do
     echo "=== generate 5 s $res, compiled blocks, row groups from $n tokens (GPU $GPU)"
     CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_generate.py --device cuda --resolution $res --compile --decode-tile auto --row-group-min-tokens "$n" --json "$OUT/rowgroups_${res}_$n.json" 2>&1 | tee -a "$OUT/suite.log" | tail -1
   done; done;;

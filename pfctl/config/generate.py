@@ -148,16 +148,17 @@ class GenerateConfig(Section):
     benchmarks/RESULTS.md ran so); ``efficient`` the memory-efficient kernel; ``cudnn`` cuDNN's first.
     Same results within bf16 rounding; no effect on the CPU."""
     skip_future_keys: bool = True
-    """Cut the text padding and attend the query rows of each column in groups of whole frames (512+ rows;
-    a frame that large alone), each against the keys up to its last frame only: the keys temporal causality
-    hides are not computed, and a single frame's rows attend with no mask at all. Same results up to float
-    rounding; on an H200 a 768p video's attention takes 13.1 s instead of 28.6 s in one masked call per
-    column (benchmarks/RESULTS.md)."""
+    """Cut the text padding and attend the query rows of each column in groups of whole frames (closing at
+    512 rows; a frame that large alone), each against the keys up to its last frame only: the keys temporal
+    causality hides are not computed, and a single frame's rows attend with no mask at all. Same results up
+    to float rounding; on an H200 the attention of a 768p video takes 13.0 s instead of 28.6 s in one masked
+    call per column (benchmarks/RESULTS.md)."""
     row_group_min_tokens: int | None = Field(default=0, ge=0)
     """With ``skip_future_keys``: the shortest column (text + image tokens) attended in row groups; shorter
-    ones take one masked call. ``0`` (default) groups every column: measured on an H200 with CUDA graphs, the
-    attention of a whole video then takes 13.1 s at 768p and 1.48 s at 384p, against 15.0 s and 2.00 s with
-    only 6,144+ token columns grouped. None = the model's own threshold (6,144, what training uses)."""
+    ones take one masked call. ``0`` (default) groups every column: on an H200, with CUDA graphs, the attention
+    of a whole video then takes 13.0 s at 768p and 1.48 s at 384p, against 14.9 s and 1.99 s with only
+    columns of 6,144+ tokens grouped (benchmarks/bench_video_attention.py). None = the model's own threshold
+    (6,144, what training uses)."""
 
     @field_validator("num_inference_steps", "video_num_inference_steps")
     @classmethod

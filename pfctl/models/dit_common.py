@@ -636,7 +636,7 @@ def _attention_by_row_groups(
 #: the fewest query rows a group of :func:`causal_row_groups` closes with (whole frames are added until it has
 #: them; a frame that large is a group of its own). Measured on an H200 over every call of a video
 #: (benchmarks/bench_video_attention.py, CUDA graphs, every column grouped): 512 rows against 1,024 took the
-#: attention from 13.8 to 13.1 s at 768p and from 1.69 to 1.48 s at 384p; 128 and 2,048 were slower
+#: attention from 13.7 to 13.0 s at 768p and from 1.68 to 1.48 s at 384p; 128 and 2,048 were slower
 ROW_GROUP_MIN_ROWS = 512
 #: the shortest column (text + image tokens) attended in row groups when the model is not told otherwise
 #: (``set_attention_backend(min_tokens=)``; generate passes 0: every column). Training keeps this: its grouped
