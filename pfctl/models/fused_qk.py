@@ -32,16 +32,16 @@ __all__ = ["ENABLED", "applies", "rms_norm_rope"]
 
 #: switch the kernel off (``PFCTL_FUSED_QK=0``, or set this to False) to run PyTorch's ops instead
 ENABLED = os.environ.get("PFCTL_FUSED_QK", "1") != "0"
-_HAS_TRITON = (
-    importlib.util.find_spec("triton") is not None
-)  # a constant to compiled blocks (no import there)
+#: a constant to compiled blocks (they never import Triton themselves)
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 _ROWS_PER_PROGRAM = 32
 
 
 def applies(x: Tensor, weight: Tensor) -> bool:
     """True when :func:`rms_norm_rope` can take ``x [B, S, H, hd]`` with the norm weight ``weight [hd]``:
-    contiguous on CUDA, in the weight's half-precision dtype, ``hd`` a power of two, no gradient wanted
-    (the caller, :func:`~pfctl.models.dit_common.norm_rope`, checks the norm is an RMS norm with a table)."""
+    contiguous on CUDA, under 2**31 elements, in the weight's half-precision dtype, ``hd`` a power of two, no
+    gradient wanted (the caller, :func:`~pfctl.models.dit_common.norm_rope`, checks that the norm is an RMS
+    norm and that a rotary table is given)."""
     hd = x.shape[-1]
     return (
         ENABLED
@@ -51,6 +51,7 @@ def applies(x: Tensor, weight: Tensor) -> bool:
         and weight.dtype == x.dtype
         and x.dim() == 4
         and x.is_contiguous()
+        and x.numel() < 2**31  # the kernel's offsets are 32-bit
         and hd >= 2
         and hd & (hd - 1) == 0
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
