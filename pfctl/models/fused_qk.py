@@ -47,14 +47,15 @@ def applies(x: Tensor, weight: Tensor) -> bool:
         ENABLED
         and _HAS_TRITON
         and x.is_cuda
+        # training leaves here, before any check on sizes a compiled block would have to guard on
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and x.dim() == 4
-        and x.is_contiguous()
-        and x.numel() < 2**31  # the kernel's offsets are 32-bit
         and hd >= 2
         and hd & (hd - 1) == 0
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and x.is_contiguous()
+        and x.numel() < 2**31  # the kernel's offsets are 32-bit
     )
 
 
