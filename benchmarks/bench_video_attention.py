@@ -65,13 +65,6 @@ def parse_setting(text: str) -> tuple[int, int] | None:
     return int(min_tokens), int(min_rows)
 
 
-def row_groups(setting: tuple[int, int] | None, grids: Grids, starts: list[int]) -> list[dc.RowGroup] | None:
-    """The groups the DiT builds for one column under ``setting`` (``attention_row_groups``)."""
-    if setting is None or TEXT_LEN + sum(t * h * w for t, h, w in grids) < setting[0]:
-        return None
-    return dc.causal_row_groups(TEXT_LEN, grids, setting[1], starts)
-
-
 def graph_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
     """Milliseconds per call of ``fn``: a CUDA graph of ``repeats`` calls replayed (eager on the CPU)."""
     for _ in range(2):
@@ -125,7 +118,8 @@ def measure(
         real[:, :TEXT_LEN] = valid
         first = None
         for setting in settings:
-            groups = row_groups(parse_setting(setting), grids, starts)
+            parsed = parse_setting(setting)
+            groups = None if parsed is None else dc.column_row_groups(TEXT_LEN, grids, starts, *parsed)
 
             attend = functools.partial(dc.masked_attention, q, k, v, mask, "cudnn", groups)
 

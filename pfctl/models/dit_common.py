@@ -689,6 +689,20 @@ def causal_row_groups(
     return groups
 
 
+def column_row_groups(
+    text_len: int,
+    clip_grids: Sequence[tuple[int, int, int]],
+    key_starts: Sequence[int] | None,
+    min_tokens: int,
+    min_rows: int,
+) -> list[RowGroup] | None:
+    """The row groups of one column (:func:`causal_row_groups` closing at ``min_rows`` rows), or None when the
+    column has fewer than ``min_tokens`` tokens (text + image): it then takes one masked call."""
+    if text_len + sum(t * h * w for t, h, w in clip_grids) < min_tokens:
+        return None
+    return causal_row_groups(text_len, clip_grids, min_rows, key_starts)
+
+
 def right_padded_lengths(mask: torch.Tensor) -> list[int] | None:
     """The valid tokens of each row of a text attention mask ``[R, L]`` (read on the host) when they are its
     first ones, as tokenizers pad; None when some row is laid out otherwise."""
@@ -1157,13 +1171,10 @@ class BlockCheckpointing:
         threshold = ROW_GROUP_MIN_TOKENS if self.row_group_min_tokens is None else self.row_group_min_tokens
         groups: list[list[RowGroup] | None] = []
         for k, col in enumerate(grids):
-            if text_len + sum(t * h * w for t, h, w in col) < threshold:
-                groups.append(None)
-                continue
             starts = None
             if text_lengths is not None:  # rows are interleaved: item b of column k is row b*K + k
                 starts = [text_len - n for n in text_lengths[k :: len(grids)]]
-            groups.append(causal_row_groups(text_len, col, ROW_GROUP_MIN_ROWS, starts))
+            groups.append(column_row_groups(text_len, col, starts, threshold, ROW_GROUP_MIN_ROWS))
         return None if all(g is None for g in groups) else groups
 
     @property

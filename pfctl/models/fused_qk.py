@@ -61,8 +61,9 @@ def applies(x: Tensor, weight: Tensor) -> bool:
 
 @torch.library.custom_op("pfctl::rms_norm_rope", mutates_args=())
 def rms_norm_rope(x: Tensor, weight: Tensor, a: Tensor, b: Tensor, eps: float) -> Tensor:
-    """The kernel behind :func:`~pfctl.models.dit_common.norm_rope`: ``x [B, S, H, hd]``, ``weight [hd]``, the forward tables ``a, b``
-    of a :class:`RotaryTable` (``[S, 1, hd/2, 2]`` float32) -> ``[B, S, H, hd]`` like ``x``."""
+    """The kernel behind :func:`~pfctl.models.dit_common.norm_rope`: ``x [B, S, H, hd]``, ``weight [hd]``,
+    the forward tables ``a, b`` of a :class:`RotaryTable` (``[S, 1, hd/2, 2]`` float32) -> ``[B, S, H, hd]``
+    like ``x``."""
     import triton
 
     batch, seq, heads, hd = x.shape
