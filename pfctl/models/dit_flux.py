@@ -29,6 +29,7 @@ from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
 from pfctl.errors import ConfigError, InputError
+from pfctl.models import fused_linear
 from pfctl.models.dit_common import (
     AdaLNContinuous,
     AdaLNZero,
@@ -113,7 +114,6 @@ class FluxSingleTransformerBlock(nn.Module):
         self.mlp_hidden_dim = int(dim * mlp_ratio)
         self.norm = AdaLNZero(dim, 3)
         self.proj_mlp = nn.Linear(dim, self.mlp_hidden_dim)
-        self.act_mlp = nn.GELU(approximate="tanh")
         self.proj_out = nn.Linear(dim + self.mlp_hidden_dim, dim)
         self.attn = FluxSingleAttention(dim, num_attention_heads, attention_head_dim)
 
@@ -122,9 +122,11 @@ class FluxSingleTransformerBlock(nn.Module):
         lengths = layout.joint_lengths
         shift, scale, gate = (by_column(m, layout.num_columns) for m in self.norm(temb))  # each [Bc, K, D]
         norm_x = modulate_columns(layer_norm(hidden_states), lengths, shift, scale)
-        mlp = self.act_mlp(self.proj_mlp(norm_x))  # [Bc, T, 4D]
+        mlp = fused_linear.linear_gelu(self.proj_mlp, norm_x)  # [Bc, T, 4D]
         attn = self.attn(norm_x, layout)  # [Bc, T, D]
-        out = gated_residual(hidden_states, self.proj_out(torch.cat([attn, mlp], dim=2)), lengths, gate)
+        out = gated_residual(
+            hidden_states, fused_linear.concat_linear(self.proj_out, [attn, mlp]), lengths, gate
+        )
         if out.dtype == torch.float16:
             out = out.clip(-65504, 65504)
         return out

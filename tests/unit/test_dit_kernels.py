@@ -260,3 +260,46 @@ def test_norm_rope_off_cuda_is_the_two_steps(norm_kind: str, with_table: bool) -
     assert torch.equal(got, want)
     got.float().sum().backward()  # the gradient flows through the PyTorch path
     assert x.grad is not None
+
+
+def _linear(d_in: int, d_out: int, dtype: torch.dtype, seed: int) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    layer = torch.nn.Linear(d_in, d_out).to(dtype)
+    with torch.no_grad():
+        layer.bias.normal_()
+    return layer
+
+
+def test_fused_concat_linear_is_the_product_of_the_concatenation(monkeypatch) -> None:
+    """``linear(cat(parts))`` summed part by part over the weight's column slices (``fused_linear``, forced
+    on for CPU float32) agrees with the PyTorch ops to float32 rounding: only the summation order differs.
+    (The GELU epilogue is CUDA's own -- the CPU's ``_addmm_activation`` takes the exact GELU -- and is
+    checked in test_fast_paths.)"""
+    from pfctl.models import fused_linear
+
+    monkeypatch.setattr(fused_linear, "applies", lambda linear, x: True)
+    x, act = torch.randn(2, 7, 24), torch.randn(2, 7, 96)
+    out = _linear(24 + 96, 24, FP32, 2)
+    with torch.no_grad():
+        got = fused_linear.concat_linear(out, [x, act])
+        torch.testing.assert_close(got, out(torch.cat([x, act], -1)), rtol=1e-5, atol=1e-5)
+        assert got.shape == (2, 7, 24)
+        with pytest.raises(ValueError, match="do not make 120"):
+            fused_linear.concat_linear(out, [x, act[..., :48]])
+
+
+def test_fused_linear_off_cuda_is_the_pytorch_ops() -> None:
+    """Off CUDA, and with gradients, the fused products' functions are the PyTorch ops, bit for bit (the
+    CUDA side, LoRA layers left alone included, is checked in test_fast_paths)."""
+    from pfctl.models import fused_linear
+
+    layer = _linear(16, 64, BF16, 0)
+    x = torch.randn(3, 16, dtype=BF16, requires_grad=True)
+    assert not fused_linear.applies(layer, x.detach())
+    got = fused_linear.linear_gelu(layer, x)
+    assert torch.equal(got, F.gelu(layer(x), approximate="tanh"))
+    parts = [x, got]
+    out = _linear(80, 16, BF16, 3)
+    assert torch.equal(fused_linear.concat_linear(out, parts), out(torch.cat(parts, -1)))
+    fused_linear.concat_linear(out, parts).float().sum().backward()
+    assert x.grad is not None

@@ -405,10 +405,17 @@ def test_fused_qk_kernel_on_cuda_matches_the_pytorch_path(monkeypatch) -> None:
     assert (got == want).float().mean() > 0.99
     assert float(((got - want).abs() / want.abs().clamp_min(1.0)).max()) < 2 * 2**-7  # two bf16 steps
 
+    assert _sampled_with_and_without(monkeypatch, fused_qk) == {False: False, True: True}
+
+
+def _sampled_with_and_without(monkeypatch, fused: object, kernel: str = "rms_norm_rope") -> dict[bool, bool]:
+    """Sample a video with the fast path of module ``fused`` on and off (its ``ENABLED``), in compiled blocks
+    replayed as CUDA graphs as ``pfctl generate`` runs them; the two must match as the side-by-side harness
+    compares videos. Returns, for each setting, whether a CUDA kernel named with ``kernel`` ran."""
     head_64 = {"attention_head_dim": 64, "axes_dims_rope": [16, 24, 24]}
-    latents = {}
+    latents, ran = {}, {}
     for enabled in (False, True):
-        monkeypatch.setattr(fused_qk, "ENABLED", enabled)
+        monkeypatch.setattr(fused, "ENABLED", enabled)
         dit = tiny_dit(overrides=head_64).cuda().to(torch.bfloat16).eval()
         dit.set_attention_backend("auto", skip_future_keys=True)
         torch._dynamo.reset()
@@ -416,11 +423,49 @@ def test_fused_qk_kernel_on_cuda_matches_the_pytorch_path(monkeypatch) -> None:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             latents[enabled] = _sample(dit, "cuda", cuda_graphs=True, dtype=torch.bfloat16).float()
             torch.cuda.synchronize()
-        ran = any("rms_norm_rope" in e.name for e in prof.events())
-        assert ran == enabled
+        ran[enabled] = any(kernel in e.name for e in prof.events())
     torch._dynamo.reset()
+    # a sampled video compounds bf16 rounding over 21 CFG steps: compared as a whole
     rel_l2 = float((latents[True] - latents[False]).norm() / latents[False].norm())
     assert rel_l2 <= 5e-2, rel_l2
+    return ran
+
+
+@gpu
+def test_fused_linear_products_on_cuda_match_the_pytorch_ops(monkeypatch) -> None:
+    """On bf16 CUDA inference the GELU in the product's epilogue and the single blocks' output projection
+    summed part by part agree with the PyTorch ops to a bf16 rounding step or two (one rounding fewer in the
+    first, one more in the second); LoRA layers keep the PyTorch path; a sampled video matches."""
+    import torch.nn.functional as F
+
+    from pfctl.models import fused_linear
+    from pfctl.models.lora import add_lora
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(2, 300, 64, generator=gen) * 2).cuda().to(torch.bfloat16)
+    mlp = torch.nn.Linear(64, 256).cuda().to(torch.bfloat16)
+    out = torch.nn.Linear(64 + 256, 64).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        assert fused_linear.applies(mlp, x)
+        act = fused_linear.linear_gelu(mlp, x)
+        want_act = F.gelu(mlp(x), approximate="tanh")
+        got = fused_linear.concat_linear(out, [x, act])
+        want = out(torch.cat([x, act], -1))
+    assert act.shape == want_act.shape and got.shape == want.shape
+    scale = want_act.float().abs().clamp_min(1.0)
+    assert float(((act.float() - want_act.float()).abs() / scale).max()) <= 2 * 2**-7
+    torch.testing.assert_close(got, want, rtol=2 * 2**-7, atol=2 * 2**-7)
+
+    host = torch.nn.Sequential()
+    host.add_module("proj", torch.nn.Linear(64, 256))
+    add_lora(host, rank=2, alpha=2, targets=".*proj")
+    host = host.cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        assert not fused_linear.applies(host.proj, x)  # its update would be dropped
+        assert not fused_linear.applies(mlp, x.float())
+    assert not fused_linear.applies(mlp, x.requires_grad_())
+
+    _sampled_with_and_without(monkeypatch, fused_linear)
 
 
 @gpu
