@@ -29,8 +29,10 @@ the loaded weights replace), and (b) adds 1e-6 to the diagonal of its block-nois
 #53/#121/#209).
 
 * CUDA: generate a 5 s 384p video — 640x384, temp 16, steps [20,20,20] / [10,10,10], CFG 7 / 5,
-  bf16 weights, the reference under bf16 autocast as in its demo scripts, decode window 1 with
-  256-px tiles on both sides (the reference's ``save_memory``); train miniFLUX at 384p, 16 latent
+  bf16 weights, the reference under bf16 autocast as in its demo scripts, decode window 1 (the
+  reference with 256-px tiles, its ``save_memory``; pfctl with its ``--decode-tile``, by default
+  untiled where it fits); pfctl keeps its CUDA graphs across the runs of its side, as ``pfctl
+  generate`` does for several videos of one size; train miniFLUX at 384p, 16 latent
   frames, batch 4 (columns [1,2,1]), G = 8 (rank 0's units), fp32 master weights + bf16 autocast.
 * CPU (a check of the harness itself): a 1+1-block DiT and the tiny VAE in fp32; outputs agree to
   fp32 rounding.
@@ -339,6 +341,12 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
         device=device,
         cuda_graphs=not args.no_cuda_graphs,
     )
+    if cuda and not args.no_cuda_graphs:
+        from pfctl.sampling.cuda_graph import StageGraph
+
+        # as pfctl generate runs several videos of one size: the graphs captured by the first run replay
+        # in the later ones (the timed run is the last)
+        common["graphs"] = StageGraph(dit, keep=True)
 
     def run_pfctl(**noise):
         with torch.no_grad():
