@@ -322,8 +322,9 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
 
     # --- pfctl, loading the same folder with its own code
     dit = load_dit_folder(folder / VARIANT, dtype=dtype, device=device).eval()
-    skip = GenerateConfig().skip_future_keys if args.skip_future_keys is None else args.skip_future_keys
-    dit.set_attention_backend(args.attention or "auto", skip)
+    defaults = GenerateConfig()  # attention as pfctl generate sets it unless told otherwise
+    skip = defaults.skip_future_keys if args.skip_future_keys is None else args.skip_future_keys
+    dit.set_attention_backend(args.attention or defaults.attention, skip, defaults.row_group_min_tokens)
     if args.compile and cuda:
         # as pfctl generate compiles (automatic dynamic shapes); the first timed run pays the compilation
         dit.compile_blocks(dynamic=None)
