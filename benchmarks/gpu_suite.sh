@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite in one call (2x H200: single-GPU benchmarks on GPU 0, then the
 # 2-process sync-group run and the FSDP tests on both). Results: $OUT (or ./bench-out).
-# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,gen768,gen768skip,gen768prof,attention,traingraphs,rowgroups]
+# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,refgen768,gen768,gen768skip,gen768prof,attention,traingraphs,rowgroups]
 # (LAYOUTS=channels_last_unfused,channels_last picks the VAE layouts the vae steps time)
 # (TRAIN_VARIANTS=efficient,efficient+compile+skip picks the pfctl variants the trainvariants step times)
 # (reference: needs a Pyramid-Flow checkout in third_party/Pyramid-Flow and einops; not in the default list)
@@ -43,6 +43,10 @@ esac
 case ",$STEPS," in *,refgen,*)
   echo "=== generate 5 s 384p side by side with the reference, compiled blocks (GPU $GPU)"
   CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py generate --compile --device cuda --reference third_party/Pyramid-Flow --json "$OUT/reference_compile.json" 2>&1 | tee -a "$OUT/suite.log" | tail -8;;
+esac
+case ",$STEPS," in *,refgen768,*)
+  echo "=== generate 5 s 768p side by side with the reference, compiled blocks (GPU $GPU)"
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py generate --compile --device cuda --resolution 768p --reference third_party/Pyramid-Flow --json "$OUT/reference_768.json" 2>&1 | tee -a "$OUT/suite.log" | tail -8;;
 esac
 case ",$STEPS," in *,trainvariants,*)
   echo "=== train step side by side with the reference: pfctl variants (attention kernel, compiled blocks, skip_future_keys) (GPU $GPU)"
