@@ -460,6 +460,14 @@ def _empty_cache(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _finished(device: torch.device) -> float:
+    """The time once the GPU's queued work is done: the sidecar's timings are of the work, not of its launch
+    (without it, the sampling's last kernels counted as decode and the decode's last as neither)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 # --------------------------------------------------------------------------------------------
 # Naming and sidecars
 # --------------------------------------------------------------------------------------------
@@ -841,7 +849,7 @@ def run_generate(
                 graphs=graphs,
                 on_dit_call=on_call,
             )
-            t_sample = time.perf_counter() - t0
+            t_sample = _finished(device) - t0
 
             if offload:
                 _move(dit, "cpu")
@@ -862,7 +870,7 @@ def run_generate(
                 vae.module.to("cpu")
                 _move(dit, device)
                 _empty_cache(device)
-            t_decode = time.perf_counter() - t0 - t_sample
+            t_decode = _finished(device) - t0 - t_sample
 
             result = _write_outputs(
                 # the sidecar records the tile size used, so a re-run decodes the same way
