@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pfctl.models.fused_qk import cuda_half_inference
+
 __all__ = ["ENABLED", "applies", "concat_linear", "linear_gelu"]
 
 #: switch the fused products off (``PFCTL_FUSED_LINEAR=0``, or set this to False) to run PyTorch's ops
@@ -43,11 +45,7 @@ def applies(linear: nn.Module, x: Tensor) -> bool:
         ENABLED
         and type(linear) is nn.Linear
         and linear.bias is not None
-        and x.is_cuda
-        # training leaves here, before anything a compiled block would have to guard on
-        and not (torch.is_grad_enabled() and (x.requires_grad or linear.weight.requires_grad))
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and linear.weight.dtype == x.dtype
+        and cuda_half_inference(x, linear.weight)
     )
 
 

@@ -28,13 +28,26 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["ENABLED", "applies", "rms_norm_rope"]
+__all__ = ["ENABLED", "applies", "cuda_half_inference", "rms_norm_rope"]
 
 #: switch the kernel off (``PFCTL_FUSED_QK=0``, or set this to False) to run PyTorch's ops instead
 ENABLED = os.environ.get("PFCTL_FUSED_QK", "1") != "0"
 #: a constant to compiled blocks (they never import Triton themselves)
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 _ROWS_PER_PROGRAM = 32
+
+
+def cuda_half_inference(x: Tensor, weight: Tensor) -> bool:
+    """True when ``x`` and ``weight`` are a CUDA inference step in half precision: ``x`` on CUDA in
+    ``weight``'s dtype, bf16 or fp16, and no gradient wanted for either. The first check of both fused paths
+    (this module's and :mod:`pfctl.models.fused_linear`'s): training leaves here, before any check on sizes
+    a compiled block would have to guard on."""
+    return (
+        x.is_cuda
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+    )
 
 
 def applies(x: Tensor, weight: Tensor) -> bool:
@@ -46,11 +59,7 @@ def applies(x: Tensor, weight: Tensor) -> bool:
     return (
         ENABLED
         and _HAS_TRITON
-        and x.is_cuda
-        # training leaves here, before any check on sizes a compiled block would have to guard on
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and weight.dtype == x.dtype
+        and cuda_half_inference(x, weight)
         and x.dim() == 4
         and hd >= 2
         and hd & (hd - 1) == 0
