@@ -581,8 +581,9 @@ def masked_attention(
     row_groups: Sequence[RowGroup] | None = None,
 ) -> torch.Tensor:
     """Attention under one column's additive mask from :func:`build_attention_bias` (or the padded storage of
-    :func:`padded_attention_bias`: only its first ``S`` key columns are used); ``q, k, v [B, S, H, hd]`` ->
-    ``[B, Sq, H*hd]``.
+    :func:`padded_attention_bias`: only its first ``S`` key columns are used); ``q [B, Sq, H, hd]``,
+    ``k, v [B, S, H, hd]`` -> ``[B, Sq, H*hd]``. With ``Sq < S`` the queries are the column's last ``Sq``
+    positions (the rows of its last clip, all the last block computes: :func:`column_tails`).
 
     Every attention call of both DiTs goes through here, with the kernels of ``backend``
     (:func:`attention_kernels`). SDPA picks a fused kernel that accepts the mask (memory-efficient or cuDNN on
@@ -590,14 +591,15 @@ def masked_attention(
     (:func:`causal_row_groups`) the query rows are attended group by group, each against the keys before its
     end only: the keys temporal causality hides from the whole group are not computed at all.
     """
+    first = k.shape[1] - q.shape[1]  # the position of the first query
     mask = mask[..., : k.shape[1]]  # a padded_attention_bias storage: its first S columns
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, S, hd]
     if mask.dtype != q.dtype:  # a layout built for another dtype than the blocks run in
         mask = mask.to(q.dtype)
     if row_groups is not None:
-        return _attention_by_row_groups(q, k, v, mask, backend, row_groups).flatten(2)
+        return _attention_by_row_groups(q, k, v, mask, backend, row_groups, first).flatten(2)
     with attention_kernels(backend):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, Sq, hd]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[..., first:, :])  # [B, H, Sq, hd]
     return out.transpose(1, 2).flatten(2)  # [B, Sq, H*hd]
 
 
@@ -608,28 +610,34 @@ def _attention_by_row_groups(
     mask: torch.Tensor,
     backend: str,
     row_groups: Sequence[RowGroup],
+    first: int = 0,
 ) -> torch.Tensor:
-    """Rows ``[a, b)`` of the masked attention against keys ``[0, b)`` only, for each group; ``q, k, v
-    [B, H, S, hd]`` -> ``[B, Sq, H, hd]``, each group's result written straight into its rows. Exact: every key
-    at or after ``b`` is masked for every row of the group, so it adds exactly 0. A group with ``key_starts``
-    needs no mask at all: item ``i`` attends keys ``[key_starts[i], b)``, every one visible to every row (one
-    call per run of items with the same start)."""
+    """Rows ``[a, b)`` of the masked attention against keys ``[0, b)`` only, for each group; ``q [B, H, Sq,
+    hd]`` (positions ``first..S-1``), ``k, v [B, H, S, hd]`` -> ``[B, Sq, H, hd]``, each group's result written
+    straight into its rows (a group's rows before ``first`` are not computed). Exact: every key at or after
+    ``b`` is masked for every row of the group, so it adds exactly 0. A group with ``key_starts`` needs no mask
+    at all: item ``i`` attends keys ``[key_starts[i], b)``, every one visible to every row (one call per run of
+    items with the same start)."""
     out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
     with attention_kernels(backend):
         for a, b, key_starts in row_groups:
+            if b <= first:
+                continue
+            a = max(a, first)
+            rows = slice(a - first, b - first)  # of q and out
             if key_starts is None:
-                rows = F.scaled_dot_product_attention(
-                    q[:, :, a:b], k[:, :, :b], v[:, :, :b], attn_mask=mask[..., a:b, :b]
+                result = F.scaled_dot_product_attention(
+                    q[:, :, rows], k[:, :, :b], v[:, :, :b], attn_mask=mask[..., a:b, :b]
                 )
-                out[:, a:b] = rows.transpose(1, 2)
+                out[:, rows] = result.transpose(1, 2)
                 continue
             item = 0
             for start, run in itertools.groupby(key_starts):
                 items = slice(item, item + len(list(run)))
-                rows = F.scaled_dot_product_attention(
-                    q[items, :, a:b], k[items, :, start:b], v[items, :, start:b]
+                result = F.scaled_dot_product_attention(
+                    q[items, :, rows], k[items, :, start:b], v[items, :, start:b]
                 )
-                out[items, a:b] = rows.transpose(1, 2)
+                out[items, rows] = result.transpose(1, 2)
                 item = items.stop
     return out
 
@@ -763,6 +771,7 @@ class PyramidLayout:
     batch: int  # Bc, items per column
     text_len: int  # L
     image_lengths: list[int]  # n_k: image tokens of column k (all clips)
+    tail_lengths: list[int]  # m_k: image tokens of column k's last clip, the only ones the output reads
     # per column: [Bc, 1, L+n_k, R] additive (0 / MASKED), from padded_attention_bias
     attn_masks: list[torch.Tensor]
     attention_backend: str = "auto"  # the kernels that run the attention (:func:`attention_kernels`)
@@ -800,6 +809,28 @@ class PyramidLayout:
     @property
     def joint_lengths(self) -> list[int]:
         return [self.text_len + n for n in self.image_lengths]
+
+
+def column_tails(x: torch.Tensor, lengths: Sequence[int], tails: Sequence[int], dim: int = 1) -> torch.Tensor:
+    """The last ``tails[k]`` entries along ``dim`` of each column's segment (``lengths[k]`` entries), in column
+    order, contiguous (the products then see rows laid out as in every other block). Each column ends with
+    its last clip, so with
+    :attr:`PyramidLayout.tail_lengths` these are the rows of the clips being denoised: all the model's output
+    reads of the last block, which computes only them (queries, feed-forward and residual; the keys and values
+    still come from every row)."""
+    if len(lengths) == 1:
+        return x.narrow(dim, lengths[0] - tails[0], tails[0]).contiguous()
+    segments = x.split(list(lengths), dim)
+    return torch.cat(
+        [seg.narrow(dim, n - m, m) for seg, n, m in zip(segments, lengths, tails, strict=True)], dim
+    )
+
+
+def tail_table(table: RotaryTable, lengths: Sequence[int], tails: Sequence[int]) -> RotaryTable:
+    """The rows of a :class:`RotaryTable` (one per token) that :func:`column_tails` keeps."""
+    return RotaryTable(
+        *(column_tails(t, lengths, tails, dim=0) for t in (table.a, table.b, table.a_t, table.b_t))
+    )
 
 
 def group_table(groups: Sequence[RowGroup], batch: int) -> torch.Tensor:
@@ -933,16 +964,15 @@ def final_layer(
     proj_out: nn.Linear,
 ) -> list[torch.Tensor]:
     """Output head of both DiTs: per-column continuous AdaLN, projection, and unpatchify of the *last* clip of
-    each column (history clips are conditioning only). ``image [Bc, N, D]`` -> K x ``[Bc, C, t, h*p, w*p]``."""
+    each column (history clips are conditioning only). ``image [Bc, sum(m_k), D]``, the last clips' tokens
+    (:attr:`PyramidLayout.tail_lengths`, what the last block returns) -> K x ``[Bc, C, t, h*p, w*p]``."""
+    tails = layout.tail_lengths
     scale, shift = (by_column(m, layout.num_columns) for m in norm_out(temb, image.dtype))  # [Bc, K, D]
-    image = modulate_columns(layer_norm(image), layout.image_lengths, shift, scale)
-    image = proj_out(image)  # [Bc, N, p*p*C]
-
-    outputs = []
-    for col_tokens, col_grids in zip(image.split(layout.image_lengths, dim=1), grids, strict=True):
-        t, h, w = col_grids[-1]
-        outputs.append(unpatchify(col_tokens[:, -t * h * w :], (t, h, w), patch))  # [Bc, C, t, h*p, w*p]
-    return outputs
+    image = proj_out(modulate_columns(layer_norm(image), tails, shift, scale))  # [Bc, sum(m_k), p*p*C]
+    return [
+        unpatchify(tokens, col_grids[-1], patch)  # [Bc, C, t, h*p, w*p]
+        for tokens, col_grids in zip(image.split(tails, dim=1), grids, strict=True)
+    ]
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from pfctl.models.dit_common import (
     check_forward_inputs,
     check_ratio,
     clip_frame_ids,
+    column_tails,
     final_layer,
     gated_residual,
     init_reference_weights,
@@ -53,6 +54,7 @@ from pfctl.models.dit_common import (
     padded_attention_bias,
     rope_tables,
     rotary_table,
+    tail_table,
     with_text_identity,
 )
 
@@ -91,16 +93,24 @@ class FluxSingleAttention(nn.Module):
         self.norm_q = RMSNorm(head_dim, eps=QK_EPS)
         self.norm_k = RMSNorm(head_dim, eps=QK_EPS)
 
-    def forward(self, x: torch.Tensor, layout: PyramidLayout) -> torch.Tensor:
-        """``x [Bc, sum(L+n_k), D]`` in the single-stream layout -> ``[Bc, sum(L+n_k), H*hd]``."""
-        q = norm_rope(self.to_q(x).unflatten(-1, (self.heads, self.head_dim)), self.norm_q, layout.joint_rope)
+    def forward(
+        self, x: torch.Tensor, layout: PyramidLayout, queries: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x [Bc, sum(L+n_k), D]`` in the single-stream layout -> ``[Bc, sum(L+n_k), H*hd]``; with ``queries``
+        (the last block: the rows of ``x`` that :func:`column_tails` keeps) only those rows are attended,
+        ``[Bc, sum(m_k), H*hd]``."""
+        lengths, q_lengths, q_rope = layout.joint_lengths, layout.joint_lengths, layout.joint_rope
+        if queries is None:
+            queries = x
+        else:
+            q_lengths, q_rope = layout.tail_lengths, tail_table(q_rope, lengths, layout.tail_lengths)
+        q = norm_rope(self.to_q(queries).unflatten(-1, (self.heads, self.head_dim)), self.norm_q, q_rope)
         k = norm_rope(self.to_k(x).unflatten(-1, (self.heads, self.head_dim)), self.norm_k, layout.joint_rope)
         v = self.to_v(x).unflatten(-1, (self.heads, self.head_dim))  # [Bc, T, H, hd]
-        lengths = layout.joint_lengths
         outs = [
             layout.attend(column, qc, kc, vc)
             for column, (qc, kc, vc) in enumerate(
-                zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1), strict=True)
+                zip(q.split(q_lengths, 1), k.split(lengths, 1), v.split(lengths, 1), strict=True)
             )
         ]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
@@ -117,16 +127,23 @@ class FluxSingleTransformerBlock(nn.Module):
         self.proj_out = nn.Linear(dim + self.mlp_hidden_dim, dim)
         self.attn = FluxSingleAttention(dim, num_attention_heads, attention_head_dim)
 
-    def forward(self, hidden_states: torch.Tensor, temb: torch.Tensor, layout: PyramidLayout) -> torch.Tensor:
-        """``hidden_states [Bc, sum(L+n_k), D]``, ``temb [K*Bc, D]``."""
+    def forward(
+        self, hidden_states: torch.Tensor, temb: torch.Tensor, layout: PyramidLayout, last: bool = False
+    ) -> torch.Tensor:
+        """``hidden_states [Bc, sum(L+n_k), D]``, ``temb [K*Bc, D]``. ``last`` (the model's last block): only the
+        rows of each column's last clip are computed and returned, ``[Bc, sum(m_k), D]`` (:func:`column_tails`)."""
         lengths = layout.joint_lengths
         shift, scale, gate = (by_column(m, layout.num_columns) for m in self.norm(temb))  # each [Bc, K, D]
         norm_x = modulate_columns(layer_norm(hidden_states), lengths, shift, scale)
-        mlp = fused_linear.linear_gelu(self.proj_mlp, norm_x)  # [Bc, T, 4D]
-        attn = self.attn(norm_x, layout)  # [Bc, T, D]
-        out = gated_residual(
-            hidden_states, fused_linear.concat_linear(self.proj_out, [attn, mlp]), lengths, gate
-        )
+        residual, rows, queries = hidden_states, norm_x, None
+        if last:
+            residual, queries = (
+                column_tails(t, lengths, layout.tail_lengths) for t in (hidden_states, norm_x)
+            )
+            rows, lengths = queries, layout.tail_lengths
+        mlp = fused_linear.linear_gelu(self.proj_mlp, rows)  # [Bc, T, 4D]
+        attn = self.attn(norm_x, layout, queries)  # [Bc, T, D]
+        out = gated_residual(residual, fused_linear.concat_linear(self.proj_out, [attn, mlp]), lengths, gate)
         if out.dtype == torch.float16:
             out = out.clip(-65504, 65504)
         return out
@@ -278,6 +295,7 @@ class PyramidFluxTransformer(BlockCheckpointing, ModelMixin, ConfigMixin):
             batch,
             text_len,
             image_lengths,
+            [t * h * w for t, h, w in (col[-1] for col in grids)],
             attn_masks,
             self.attention_backend,
             rope=rotary_table(cos, sin),
@@ -331,11 +349,11 @@ class PyramidFluxTransformer(BlockCheckpointing, ModelMixin, ConfigMixin):
             parts += [text_col, img]
         hidden = torch.cat(parts, dim=1)
 
-        offset = len(self.transformer_blocks)
+        offset, last = len(self.transformer_blocks), len(self.single_transformer_blocks) - 1
         for i, block in enumerate(self.single_transformer_blocks):
-            hidden = self._run_block(offset + i, limit, block, hidden, temb, layout)
+            hidden = self._run_block(offset + i, limit, block, hidden, temb, layout, i == last)
+        if last < 0:  # no single-stream block: the last clips' rows of the joint layout
+            hidden = column_tails(hidden, layout.joint_lengths, layout.tail_lengths)
 
-        segments = [size for n in layout.image_lengths for size in (layout.text_len, n)]
-        image = torch.cat(hidden.split(segments, dim=1)[1::2], dim=1)  # [Bc, N, D]
-        # K x [Bc, C, t, 2h, 2w]: the last clip of each column
-        return final_layer(image, temb, layout, grids, PATCH, self.norm_out, self.proj_out)
+        # K x [Bc, C, t, 2h, 2w]: the last clip of each column (all the last block returned)
+        return final_layer(hidden, temb, layout, grids, PATCH, self.norm_out, self.proj_out)

@@ -45,6 +45,7 @@ from pfctl.models.dit_common import (
     check_forward_inputs,
     check_ratio,
     clip_frame_ids,
+    column_tails,
     final_layer,
     init_reference_weights,
     note_flash_flag,
@@ -319,6 +320,7 @@ class PyramidDiffusionMMDiT(BlockCheckpointing, ModelMixin, ConfigMixin):
             batch,
             encoder_attention_mask.shape[1],
             image_lengths,
+            [t * h * w for t, h, w in (col[-1] for col in grids)],
             attn_masks,
             self.attention_backend,
             rope=rope,
@@ -356,4 +358,5 @@ class PyramidDiffusionMMDiT(BlockCheckpointing, ModelMixin, ConfigMixin):
             image, text = self._run_block(i, limit, block, image, text, temb, layout)
 
         # K x [Bc, C, t, h*p, w*p]: the last clip of each column
+        image = column_tails(image, layout.image_lengths, layout.tail_lengths)
         return final_layer(image, temb, layout, grids, p, self.norm_out, self.proj_out)

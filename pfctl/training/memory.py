@@ -318,7 +318,8 @@ def meta_dit(config: Any) -> nn.Module:
 
 def saved_activation_bytes(fn: Any, params: Iterable[torch.Tensor] = (), quadratic: int | None = None) -> int:
     """Bytes of the distinct tensors autograd keeps while ``fn()`` runs (parameters excluded, and
-    tensors whose last two sizes equal ``quadratic`` — attention masks/biases — when given).
+    attention masks/biases when ``quadratic``, the tokens of a column, is given: tensors of ``quadratic``
+    key columns and at most as many query rows).
 
     The CPU check of the activation formula: it counts exactly what backward would read."""
     skip = {p.untyped_storage().data_ptr() for p in params}
@@ -329,7 +330,7 @@ def saved_activation_bytes(fn: Any, params: Iterable[torch.Tensor] = (), quadrat
         ptr = storage.data_ptr()
         if ptr in skip or ptr in seen:
             return t
-        if quadratic is not None and t.dim() >= 2 and t.shape[-1] == t.shape[-2] == quadratic:
+        if quadratic is not None and t.dim() >= 2 and t.shape[-1] == quadratic and t.shape[-2] <= quadratic:
             return t
         seen[ptr] = storage.nbytes()
         return t

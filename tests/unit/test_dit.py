@@ -529,6 +529,50 @@ def test_left_aligned_text_keeps_the_valid_tokens() -> None:
     assert aligned[aligned_mask.bool()].tolist() == [0.0, 1.0, 5.0, 6.0, 7.0]
 
 
+@pytest.mark.parametrize("min_rows", [None, 24, 16])
+def test_the_last_block_computes_only_the_rows_the_output_reads(monkeypatch, min_rows: int | None) -> None:
+    """The last single-stream block queries, feeds forward and returns only each column's last clip (the
+    history rows and the text after it are read by nothing): outputs and every gradient equal those of a
+    forward whose last block computes all rows (fp32 rounding), and the attention there has only the last
+    clips' rows. With one masked call per column, in masked row groups of two 16-token frames (one spanning
+    history and last clip), and in mask-free single-frame groups."""
+    import pfctl.models.dit_common as dc
+    from pfctl.models.dit_flux import FluxSingleTransformerBlock
+
+    monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", min_rows or 1)
+    monkeypatch.setattr(dc, "ROW_GROUP_MIN_TOKENS", 0)
+    args = long_inputs()
+    grouped = min_rows is not None
+    lengths = dc.right_padded_lengths(args["encoder_attention_mask"]) if grouped else None
+    attend, query_rows = dc.PyramidLayout.attend, []
+
+    def recording(layout, column, q, k, v):
+        query_rows.append((q.shape[1], k.shape[1], layout.tail_lengths[column]))
+        return attend(layout, column, q, k, v)
+
+    monkeypatch.setattr(dc.PyramidLayout, "attend", recording)
+    results = []
+    for prune in (True, False):
+        if not prune:  # every row of the last block, then the last clips' rows of its output
+            forward = FluxSingleTransformerBlock.forward
+
+            def full_rows(block, hidden, temb, layout, last=False, forward=forward):
+                out = forward(block, hidden, temb, layout)
+                return dc.column_tails(out, layout.joint_lengths, layout.tail_lengths) if last else out
+
+            monkeypatch.setattr(FluxSingleTransformerBlock, "forward", full_rows)
+        query_rows.clear()
+        model = build("flux", num_single_layers=2).train()
+        model.set_attention_backend("auto", skip_future_keys=grouped)
+        outs = model(**clone_args(args), text_lengths=lengths)
+        sum(o.square().mean() for o in outs).backward()
+        results.append(outs + [p.grad for p in model.parameters()])
+        last_calls = query_rows[-2:]  # the last block's attention, one call per column
+        assert all(q == (tail if prune else k) and tail < k for q, k, tail in last_calls), last_calls
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", MODELS)
 def test_skip_future_keys_computes_the_same_attention(kind: str, monkeypatch) -> None:
     """``skip_future_keys``: row-grouped attention gives the one-call outputs and gradients (float32, to
@@ -541,7 +585,7 @@ def test_skip_future_keys_computes_the_same_attention(kind: str, monkeypatch) ->
     grouped, calls = dc._attention_by_row_groups, []
 
     def counting(*args, **kwargs):
-        calls.append(args[-1])
+        calls.append(args[5])  # the row groups
         return grouped(*args, **kwargs)
 
     monkeypatch.setattr(dc, "_attention_by_row_groups", counting)
@@ -593,7 +637,7 @@ def test_skip_future_keys_keeps_the_padding_an_unmasked_mmdit_attends(monkeypatc
     grouped, starts = dc._attention_by_row_groups, set()
 
     def recording(*args):
-        starts.update(g.key_starts for g in args[-1] if g.key_starts is not None)
+        starts.update(g.key_starts for g in args[5] if g.key_starts is not None)
         return grouped(*args)
 
     monkeypatch.setattr(dc, "_attention_by_row_groups", recording)
@@ -651,7 +695,7 @@ def test_compiled_blocks_keep_one_graph_per_block_type_across_training_layouts()
                 for t in frames
             ]
             run(model, args)
-        assert counters["stats"]["unique_graphs"] == 2
+        assert counters["stats"]["unique_graphs"] == 3  # double, single, and the last single block
     finally:
         shape_config.use_duck_shape = duck_shape
         torch._dynamo.reset()

@@ -117,7 +117,7 @@ def test_compiled_blocks_with_skip_future_keys_sample_like_eager(monkeypatch):
     grouped, mask_free = dc._attention_by_row_groups, []
 
     def recording(*args: object) -> torch.Tensor:
-        mask_free.extend(g.key_starts for g in args[-1] if g.key_starts is not None)
+        mask_free.extend(g.key_starts for g in args[5] if g.key_starts is not None)  # the row groups
         return grouped(*args)
 
     monkeypatch.setattr(dc, "_attention_by_row_groups", recording)
