@@ -48,6 +48,7 @@ from pfctl.models.dit_common import (
     gated_residual,
     init_reference_weights,
     layer_norm,
+    mask_extents,
     modulate_columns,
     norm_rope,
     note_flash_flag,
@@ -283,12 +284,14 @@ class PyramidFluxTransformer(BlockCheckpointing, ModelMixin, ConfigMixin):
         positions = torch.cat([self._positions(col, device) for col in grids], dim=0)  # [N, 3]
         cos, sin = rope_tables(positions, self.config.axes_dims_rope)  # 2 x [N, hd/2]
         text_len = encoder_attention_mask.shape[1]
+        row_groups = self.attention_row_groups(text_len, grids, text_lengths)
         attn_masks = padded_attention_bias(
             encoder_attention_mask != 0,
             [clip_frame_ids(col, device) for col in grids],
             len(grids),
             self.config.use_temporal_causal,
             attn_dtype,
+            mask_extents(row_groups, [text_len + n for n in image_lengths]),
         )
         return PyramidLayout(
             len(grids),
@@ -300,7 +303,7 @@ class PyramidFluxTransformer(BlockCheckpointing, ModelMixin, ConfigMixin):
             self.attention_backend,
             rope=rotary_table(cos, sin),
             joint_rope=rotary_table(*with_text_identity(cos, sin, image_lengths, text_len)),
-            row_groups=self.attention_row_groups(text_len, grids, text_lengths),
+            row_groups=row_groups,
         )
 
     def forward(

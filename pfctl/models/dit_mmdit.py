@@ -48,6 +48,7 @@ from pfctl.models.dit_common import (
     column_tails,
     final_layer,
     init_reference_weights,
+    mask_extents,
     note_flash_flag,
     padded_attention_bias,
     rope_tables,
@@ -303,28 +304,31 @@ class PyramidDiffusionMMDiT(BlockCheckpointing, ModelMixin, ConfigMixin):
         text_valid = encoder_attention_mask != 0
         if not self.config.use_t5_mask:
             text_valid = torch.ones_like(text_valid)
+        text_len = encoder_attention_mask.shape[1]
+        image_lengths = [sum(t * h * w for t, h, w in col) for col in grids]
+        row_groups = self.attention_row_groups(text_len, grids, text_lengths)
         attn_masks = padded_attention_bias(
             text_valid,
             frame_ids,
             len(grids),
             self.config.use_temporal_causal,
             attn_dtype,
+            mask_extents(row_groups, [text_len + n for n in image_lengths]),
         )
         rope = None
         if self.temporal_rope:
             frames = torch.cat(frame_ids).float()[:, None]  # [N, 1]
             rope = rotary_table(*rope_tables(frames, [self.config.attention_head_dim]))
-        image_lengths = [sum(t * h * w for t, h, w in col) for col in grids]
         return PyramidLayout(
             len(grids),
             batch,
-            encoder_attention_mask.shape[1],
+            text_len,
             image_lengths,
             [t * h * w for t, h, w in (col[-1] for col in grids)],
             attn_masks,
             self.attention_backend,
             rope=rope,
-            row_groups=self.attention_row_groups(encoder_attention_mask.shape[1], grids, text_lengths),
+            row_groups=row_groups,
         )
 
     def forward(

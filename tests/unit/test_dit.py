@@ -529,6 +529,25 @@ def test_left_aligned_text_keeps_the_valid_tokens() -> None:
     assert aligned[aligned_mask.bool()].tolist() == [0.0, 1.0, 5.0, 6.0, 7.0]
 
 
+def test_grouped_columns_build_only_the_mask_their_masked_groups_read(monkeypatch) -> None:
+    """In row groups the mask is built only up to the end of the last group attended under it (the
+    single-frame groups after it attend without one); a column in one masked call gets its whole mask."""
+    import pfctl.models.dit_common as dc
+
+    monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", 16)  # each 16-token frame after the first is a group
+    args = long_inputs()
+    model = build("flux")
+    model.set_attention_backend("auto", skip_future_keys=True, min_tokens=80)  # column 1 (89 tokens) grouped
+    grids = [[(c.shape[2], c.shape[3] // 2, c.shape[4] // 2) for c in col] for col in args["sample"]]
+    mask = args["encoder_attention_mask"]
+    for text_lengths, extents in ((None, [69, 89]), (dc.right_padded_lengths(mask), [69, 9])):
+        layout = model.build_layout(grids, mask, 2, torch.float32, text_lengths)
+        assert [m.shape[2] for m in layout.attn_masks] == extents
+        masked = [g for g in layout.row_groups[1] if g.key_starts is None]
+        assert layout.row_groups[0] is None and masked[-1].end == extents[1]
+        assert len(masked) < len(layout.row_groups[1]) or text_lengths is None
+
+
 @pytest.mark.parametrize("min_rows", [None, 24, 16])
 def test_the_last_block_computes_only_the_rows_the_output_reads(monkeypatch, min_rows: int | None) -> None:
     """The last single-stream block queries, feeds forward and returns only each column's last clip (the
