@@ -834,10 +834,9 @@ class PyramidLayout:
 def column_tails(x: torch.Tensor, lengths: Sequence[int], tails: Sequence[int], dim: int = 1) -> torch.Tensor:
     """The last ``tails[k]`` entries along ``dim`` of each column's segment (``lengths[k]`` entries), in column
     order, contiguous (the products then see rows laid out as in every other block). Each column ends with
-    its last clip, so with
-    :attr:`PyramidLayout.tail_lengths` these are the rows of the clips being denoised: all the model's output
-    reads of the last block, which computes only them (queries, feed-forward and residual; the keys and values
-    still come from every row)."""
+    its last clip, so with :attr:`PyramidLayout.tail_lengths` these are the rows of the clips being denoised:
+    all the model's output reads of the last block, which computes only them (queries, feed-forward and
+    residual; the keys and values still come from every row)."""
     if len(lengths) == 1:
         return x.narrow(dim, lengths[0] - tails[0], tails[0]).contiguous()
     segments = x.split(list(lengths), dim)
@@ -1227,6 +1226,26 @@ class BlockCheckpointing:
                 starts = [text_len - n for n in text_lengths[k :: len(grids)]]
             groups.append(column_row_groups(text_len, col, starts, threshold, ROW_GROUP_MIN_ROWS))
         return None if all(g is None for g in groups) else groups
+
+    def attention_masks(
+        self,
+        text_valid: torch.Tensor,
+        grids: Sequence[Sequence[tuple[int, int, int]]],
+        frame_ids: Sequence[torch.Tensor],
+        text_lengths: Sequence[int] | None,
+        dtype: torch.dtype,
+    ) -> tuple[list[torch.Tensor], list[list[RowGroup] | None] | None]:
+        """The per-column masks (:func:`padded_attention_bias` of ``text_valid [K*Bc, L]`` and the columns'
+        ``frame_ids`` (:func:`clip_frame_ids` of ``grids``), in ``dtype``) and row groups
+        (:meth:`attention_row_groups`) of one forward: a grouped column's mask covers only what its masked
+        groups read (:func:`mask_extents`)."""
+        text_len = text_valid.shape[1]
+        row_groups = self.attention_row_groups(text_len, grids, text_lengths)
+        extents = mask_extents(row_groups, [text_len + ids.shape[0] for ids in frame_ids])
+        temporal_causal = self.config.use_temporal_causal
+        return padded_attention_bias(
+            text_valid, frame_ids, len(grids), temporal_causal, dtype, extents
+        ), row_groups
 
     @property
     def row_groups_active(self) -> bool:

@@ -48,11 +48,9 @@ from pfctl.models.dit_common import (
     gated_residual,
     init_reference_weights,
     layer_norm,
-    mask_extents,
     modulate_columns,
     norm_rope,
     note_flash_flag,
-    padded_attention_bias,
     rope_tables,
     rotary_table,
     tail_table,
@@ -284,14 +282,9 @@ class PyramidFluxTransformer(BlockCheckpointing, ModelMixin, ConfigMixin):
         positions = torch.cat([self._positions(col, device) for col in grids], dim=0)  # [N, 3]
         cos, sin = rope_tables(positions, self.config.axes_dims_rope)  # 2 x [N, hd/2]
         text_len = encoder_attention_mask.shape[1]
-        row_groups = self.attention_row_groups(text_len, grids, text_lengths)
-        attn_masks = padded_attention_bias(
-            encoder_attention_mask != 0,
-            [clip_frame_ids(col, device) for col in grids],
-            len(grids),
-            self.config.use_temporal_causal,
-            attn_dtype,
-            mask_extents(row_groups, [text_len + n for n in image_lengths]),
+        frame_ids = [clip_frame_ids(col, device) for col in grids]
+        attn_masks, row_groups = self.attention_masks(
+            encoder_attention_mask != 0, grids, frame_ids, text_lengths, attn_dtype
         )
         return PyramidLayout(
             len(grids),

@@ -48,9 +48,7 @@ from pfctl.models.dit_common import (
     column_tails,
     final_layer,
     init_reference_weights,
-    mask_extents,
     note_flash_flag,
-    padded_attention_bias,
     rope_tables,
     rotary_table,
 )
@@ -306,15 +304,7 @@ class PyramidDiffusionMMDiT(BlockCheckpointing, ModelMixin, ConfigMixin):
             text_valid = torch.ones_like(text_valid)
         text_len = encoder_attention_mask.shape[1]
         image_lengths = [sum(t * h * w for t, h, w in col) for col in grids]
-        row_groups = self.attention_row_groups(text_len, grids, text_lengths)
-        attn_masks = padded_attention_bias(
-            text_valid,
-            frame_ids,
-            len(grids),
-            self.config.use_temporal_causal,
-            attn_dtype,
-            mask_extents(row_groups, [text_len + n for n in image_lengths]),
-        )
+        attn_masks, row_groups = self.attention_masks(text_valid, grids, frame_ids, text_lengths, attn_dtype)
         rope = None
         if self.temporal_rope:
             frames = torch.cat(frame_ids).float()[:, None]  # [N, 1]
