@@ -61,7 +61,7 @@ def _real_vae_folder(folder: Path) -> Path:
 
 def _decode_only(ann: Path, config, settings) -> float:
     from pfctl.data.annotations import load_annotations
-    from pfctl.data.encode import decoded_items
+    from pfctl.data.decoding import decoded_items
 
     items = load_annotations(ann)
     start = time.monotonic()
@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from pfctl.config.load import load_config
     from pfctl.config.schema import RuntimeConfig
-    from pfctl.data.encode import frame_settings, run_encode
+    from pfctl.data.encode import run_encode
+    from pfctl.data.encode_setup import frame_settings
     from pfctl.data.video import FrameContract
     from pfctl.errors import CheckFailed
     from pfctl.runtime.accelerator import build_runtime

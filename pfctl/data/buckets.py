@@ -11,6 +11,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pfctl.errors import ConfigError
+
 
 @dataclass(frozen=True, order=True)
 class Bucket:
@@ -58,3 +60,42 @@ def cover_size(width: int, height: int, bucket: Bucket) -> tuple[int, int]:
 def center_crop_box(width: int, height: int, bucket: Bucket) -> tuple[int, int]:
     """Top-left corner (x0, y0) of the centred ``bucket`` crop in a ``width`` × ``height`` image."""
     return (width - bucket.width) // 2, (height - bucket.height) // 2
+
+
+def grid_multiple(*, patch: int, stages: int, vae_factor: int = 1) -> int:
+    """The size every bucket side must be a multiple of for the pyramid DiT to train it.
+
+    Stage ``s`` of ``stages`` sees the latents halved ``stages - 1 - s`` times and cuts them into
+    ``patch`` × ``patch`` tokens, so the lowest stage needs latent sides divisible by
+    ``patch * 2**(stages - 1)``; ``vae_factor`` turns that into pixels (1: latent units).
+    """
+    return patch * 2 ** (stages - 1) * vae_factor
+
+
+def nearest_valid(size: int, multiple: int) -> list[int]:
+    """The multiples of ``multiple`` nearest to ``size`` (below and above; one if ``size`` is one)."""
+    below = max(multiple, size // multiple * multiple)
+    above = -(-size // multiple) * multiple
+    return sorted({below, above})
+
+
+def check_buckets(sizes: Sequence[Sequence[int]], multiple: int, *, what: str, unit: str, why: str) -> None:
+    """Refuse (``ConfigError``, exit 2) every (width, height) in ``sizes`` whose sides are not
+    multiples of ``multiple``; the message names the first bad bucket and the nearest valid sizes.
+
+    ``what`` names the source (``encode.buckets``, ``the cache``), ``unit`` the size unit and ``why``
+    where the multiple comes from (the DiT's patch, the pyramid stages, the VAE).
+    """
+    bad = [(int(w), int(h)) for w, h in sizes if int(w) % multiple or int(h) % multiple]
+    if not bad:
+        return
+    width, height = bad[0]
+    near = [f"{w}x{h}" for w in nearest_valid(width, multiple) for h in nearest_valid(height, multiple)]
+    others = (
+        f" (and {len(bad) - 1} more: {', '.join(f'{w}x{h}' for w, h in bad[1:4])})" if len(bad) > 1 else ""
+    )
+    raise ConfigError(
+        f"{what}: bucket {width}x{height} {unit} cannot be trained: both sides must be multiples of "
+        f"{multiple} {unit} ({why}){others}",
+        hint=f"nearest valid sizes: {', '.join(near)}",
+    )

@@ -375,6 +375,34 @@ def latent_normalizer(vae_info: dict[str, Any]) -> Callable[[torch.Tensor], torc
     )
 
 
+def _synthetic_clip(
+    coarse: torch.Tensor, size: tuple[int, int], text: tuple[int, int, int], store: str, gen: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """One synthetic clip: ``coarse`` (C, T, h, w) noise smoothed to ``size``, and a caption embedding
+    (``text`` = length, width, pooled width) correlated with it."""
+    channels, t = coarse.shape[:2]
+    height, width = size
+    text_len, text_dim, pooled_dim = text
+    frames = coarse.flatten(0, 1)[:, None]
+    smooth = torch.nn.functional.interpolate(frames, size=(height, width), mode="bilinear").reshape(
+        channels, t, height, width
+    )
+    latent = 2.0 * smooth - 0.2  # about the raw VAE range, so normalisation is non-trivial
+    code = coarse.mean(dim=(1, 2, 3))
+    prompt = torch.randn(text_len, text_dim, generator=gen) * 0.1
+    prompt[:, : min(channels, text_dim)] += code[: min(channels, text_dim)]
+    tensors: dict[str, torch.Tensor] = {
+        "prompt_embeds": prompt,
+        "prompt_attention_mask": torch.ones(text_len, dtype=torch.long),
+        "pooled_prompt_embeds": torch.randn(pooled_dim, generator=gen) * 0.1,
+    }
+    if store == "mean_std":
+        tensors["latent_mean"], tensors["latent_std"] = latent, torch.full_like(latent, 0.05)
+    else:
+        tensors["latent_sample"] = latent
+    return tensors
+
+
 def write_synthetic_cache(
     root: str,
     lengths: Sequence[int],
@@ -428,23 +456,7 @@ def write_synthetic_cache(
         coarse = torch.randn(channels, longest, max(height // 4, 1), max(width // 4, 1), generator=source)[
             :, :t
         ]
-        frames = coarse.flatten(0, 1)[:, None]
-        smooth = torch.nn.functional.interpolate(frames, size=(height, width), mode="bilinear").reshape(
-            channels, t, height, width
-        )
-        latent = 2.0 * smooth - 0.2  # about the raw VAE range, so normalisation is non-trivial
-        code = coarse.mean(dim=(1, 2, 3))
-        prompt = torch.randn(text_len, text_dim, generator=gen) * 0.1
-        prompt[:, : min(channels, text_dim)] += code[: min(channels, text_dim)]
-        tensors: dict[str, torch.Tensor] = {
-            "prompt_embeds": prompt,
-            "prompt_attention_mask": torch.ones(text_len, dtype=torch.long),
-            "pooled_prompt_embeds": torch.randn(pooled_dim, generator=gen) * 0.1,
-        }
-        if store == "mean_std":
-            tensors["latent_mean"], tensors["latent_std"] = latent, torch.full_like(latent, 0.05)
-        else:
-            tensors["latent_sample"] = latent
+        tensors = _synthetic_clip(coarse, (height, width), (text_len, text_dim, pooled_dim), store, gen)
         cid = f"clip-{i:03d}"
         kind = "image" if t == 1 else "video"
         rows.append(

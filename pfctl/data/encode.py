@@ -1,14 +1,19 @@
 """The encode-latents pipeline: annotations → decoded clips → VAE + text encoders → latent cache.
 
-Read :func:`run_encode` top to bottom:
+Read :func:`run_encode` top to bottom; each step is one function:
 
-1. validate the inputs (annotation file, VAE spec, text-encoder folder, buckets, frame contract);
-2. build the provenance record and its fingerprint, and check the output folder against it
-   (resume, refuse to mix, or ``--overwrite``);
-3. shard the items over ranks (rank r takes items r, r+W, ...), skip clips already cached;
-4. decode in DataLoader workers (or a prefetch thread) while the main thread encodes;
-5. write one clip file per clip (atomic), then a per-rank manifest part; the main process merges
-   the parts into ``manifest.jsonl`` and ``failures.jsonl`` once every rank is done.
+1. :func:`_prepare`: validate the inputs (annotation file, model, text-encoder folder), load the VAE,
+   settle the encode settings (the model's own, then the user's), refuse frame counts and buckets the
+   model cannot use, and build the provenance header and its fingerprint;
+2. check the output folder against it (resume, refuse to mix, or ``--overwrite``); a dry run plans here;
+3. :func:`_open_folder`: the main process writes the header and the null text, clears what a killed
+   run left, and repairs a torn ``manifest.jsonl`` from the clip files;
+4. :func:`_pending_work`: shard the items over ranks (rank r takes items r, r+W, ...), skip clips already
+   cached;
+5. :func:`_encode_all`: decode in DataLoader workers (or a prefetch thread) while the main thread
+   encodes; one clip file per clip (atomic), then a per-rank manifest part;
+6. :func:`_summarise`: the main process merges the parts into ``manifest.jsonl`` and ``failures.jsonl``
+   once every rank is done.
 
 A bad input never stops the run: it becomes a failure row with a reason (see
 :data:`pfctl.data.video.REASONS`). Only too many failures (``max_failures``) make it exit 1.
@@ -23,22 +28,20 @@ import contextlib
 import hashlib
 import json
 import os
-import queue
 import shutil
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pfctl.data import encode_setup as setup
 from pfctl.data import latent_cache as lc
 from pfctl.data.annotations import Item, load_annotations
-from pfctl.data.buckets import as_buckets
+from pfctl.data.decoding import Work, decoded_items
 from pfctl.data.video import (
     REASONS,
     DecodedItem,
@@ -46,7 +49,6 @@ from pfctl.data.video import (
     FrameSettings,
     MediaError,
     clip_id_for,
-    decode_item,
     open_video,
     plan_clips,
     plan_image,
@@ -58,7 +60,6 @@ from pfctl.data.video import (
 from pfctl.errors import CheckFailed, ConfigError, DistributedError, PfctlError
 from pfctl.runtime import faults
 from pfctl.runtime import logging as pflog
-from pfctl.utils.io import fingerprint as stable_hash
 
 if TYPE_CHECKING:
     from pfctl.config.encode import EncodeConfig
@@ -66,10 +67,7 @@ if TYPE_CHECKING:
     from pfctl.runtime.accelerator import Runtime
 
 STORAGE_DTYPE = torch.bfloat16
-PREPROCESSING_VERSION = 1
-"""Bumped when decoding/resizing changes in a way that changes pixels (part of the fingerprint)."""
 _SLEEP_ENV = "PFCTL_TEST_SLEEP_PER_CLIP"
-_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
 # ----------------------------------------------------------------------------------------- report
@@ -124,199 +122,7 @@ class EncodeReport:
         return Path(self.output_dir) / lc.FAILURES_FILE
 
 
-# ------------------------------------------------------------------------------------- resolution
-
-
-def resolve_dtype(config: RecipeConfig) -> torch.dtype:
-    name = config.encode.dtype or config.model.dtype
-    if name == "fp16":
-        raise ConfigError(
-            "model.dtype = 'fp16' cannot be used to encode latents: the causal VAE gives NaN latents in fp16",
-            hint="set encode.dtype=bf16 (default) or fp32",
-        )
-    return _DTYPES[name]
-
-
-def resolve_vae_spec(config: RecipeConfig) -> str:
-    """``model.vae`` (folder or built-in name), else the model folder (its ``causal_video_vae/``)."""
-    if config.model.vae:
-        return config.model.vae
-    if config.model.path:
-        return config.model.path
-    raise ConfigError(
-        "no VAE given",
-        hint="pass --vae FOLDER|NAME (e.g. causal-vae-tiny) or --model CHECKPOINT_FOLDER (uses causal_video_vae/)",
-    )
-
-
-def resolve_text_folder(config: RecipeConfig) -> tuple[Path, str] | None:
-    """(folder, text-encoder kind) or None when text is not encoded. Raises :class:`ConfigError`."""
-    if not config.encode.text:
-        return None
-    from pfctl.models.text_encoder import FLUX_SUBFOLDERS, detect_text_encoder_kind
-
-    raw = config.encode.text_encoder or config.model.path
-    if raw is None:
-        raise ConfigError(
-            "no text encoder folder: captions cannot be encoded",
-            hint="set encode.text_encoder=FOLDER (or --model CHECKPOINT_FOLDER), or encode.text=false for latents only",
-        )
-    folder = Path(raw).expanduser()
-    kind = detect_text_encoder_kind(folder) if folder.is_dir() else None
-    if kind is None:
-        raise ConfigError(
-            f"{folder} has no text encoders (expected subfolders {', '.join(s + '/' for s in FLUX_SUBFOLDERS)})",
-            hint="point encode.text_encoder at a Pyramid Flow checkpoint folder, or set encode.text=false",
-        )
-    return folder, kind
-
-
-def text_identity(folder: Path, kind: str, max_sequence_length: int) -> dict[str, Any]:
-    """The text encoder's identity without loading it: kind, length and a digest of its folders."""
-    from pfctl.models.checkpoint import folder_digest
-    from pfctl.models.text_encoder import TEXT_ENCODERS
-
-    subfolders = TEXT_ENCODERS[kind].subfolders
-    return {
-        "kind": kind,
-        "max_sequence_length": max_sequence_length,
-        "folders": {s: folder_digest(folder / s) for s in subfolders},
-    }
-
-
-def _text_dims_from_folder(folder: Path, kind: str) -> tuple[int, int] | None:
-    """(token dim, pooled dim) read from config.json files (dry-run size estimates, no loading)."""
-    try:
-        if kind == "pyramid_flux":
-            t5 = json.loads((folder / "text_encoder_2" / "config.json").read_text())
-            clip = json.loads((folder / "text_encoder" / "config.json").read_text())
-            return int(t5["d_model"]), int(clip["hidden_size"])
-        t5 = json.loads((folder / "text_encoder_3" / "config.json").read_text())
-        c1 = json.loads((folder / "text_encoder" / "config.json").read_text())
-        c2 = json.loads((folder / "text_encoder_2" / "config.json").read_text())
-        return int(t5["d_model"]), int(c1["projection_dim"]) + int(c2["projection_dim"])
-    except (OSError, KeyError, ValueError):
-        return None
-
-
-def normalization_record(vae: Any) -> dict[str, Any]:
-    """The latent normalisation the trainer must apply, as JSON (adapter name + rule + factors)."""
-    record: dict[str, Any] = {"adapter": vae.name}
-    norm = getattr(vae, "latent_norm", None)
-    if norm is not None and hasattr(norm, "to_dict"):
-        record.update(norm.to_dict())
-        return record
-    config = dict(getattr(vae.module, "config", {}) or {})
-    record["rule"] = (
-        "(z - latents_mean) * scaling_factor / latents_std, else (z - shift_factor) * scaling_factor"
-    )
-    for key in ("scaling_factor", "shift_factor", "latents_mean", "latents_std", "invert_scale_latents"):
-        if config.get(key) is not None:
-            value = config[key]
-            record[key] = list(value) if isinstance(value, tuple) else value
-    return record
-
-
-def frame_settings(cfg: EncodeConfig, contract: FrameContract, decode_threads: int) -> FrameSettings:
-    return FrameSettings(
-        contract=contract,
-        buckets=tuple(as_buckets(cfg.buckets)),
-        fps=cfg.fps,
-        clip_mode=cfg.clip_mode,
-        clips_per_video=cfg.clips_per_video,
-        num_frames=cfg.num_frames,
-        max_frames=cfg.max_frames,
-        min_frames=cfg.min_frames,
-        max_source_pixels=cfg.max_source_pixels,
-        decode_threads=decode_threads,
-    )
-
-
-def preprocessing_record(cfg: EncodeConfig, settings: FrameSettings, seed: int) -> dict[str, Any]:
-    """The parameters that change the cached tensors (only those relevant to the clip mode)."""
-    record: dict[str, Any] = {
-        "version": PREPROCESSING_VERSION,
-        "fps": cfg.fps,
-        "clip_mode": cfg.clip_mode,
-        "buckets": [b.name for b in settings.buckets],
-        "resize": "cover-bicubic-antialias+center-crop",
-        "value_range": "[-1,1]",
-        "chunking": cfg.chunking,
-        "chunk_frames": cfg.chunk_frames,
-        "tile": cfg.tile,
-        "store": cfg.store,
-        "storage_dtype": "bfloat16",
-    }
-    if cfg.clip_mode == "full":
-        record["max_frames"] = settings.contract.snap(cfg.max_frames)
-    else:
-        record["num_frames"] = settings.clip_frames
-    if cfg.clip_mode == "uniform":
-        record["clips_per_video"] = cfg.clips_per_video
-    if cfg.store == "sample":
-        record["sample_seed"] = seed
-    return record
-
-
-def build_header(
-    *,
-    vae: Any,
-    vae_spec: str,
-    compute_dtype: torch.dtype,
-    text: dict[str, Any] | None,
-    text_dims: tuple[int, int] | None,
-    preprocessing: dict[str, Any],
-    store: str,
-) -> dict[str, Any]:
-    """cache.json: format, version, fingerprint and the provenance it hashes, plus what readers need."""
-    from pfctl import __version__
-
-    provenance = {
-        "format_version": lc.FORMAT_VERSION,
-        "vae": {
-            "name": vae.name,
-            "class": type(vae.module).__name__,
-            "fingerprint": vae.fingerprint(),
-            "compute_dtype": str(compute_dtype).removeprefix("torch."),
-        },
-        "text_encoder": text,
-        "preprocessing": preprocessing,
-    }
-    latent_keys = lc.LATENT_KEYS_MEAN_STD if store == "mean_std" else lc.LATENT_KEYS_SAMPLE
-    return {
-        "format": lc.FORMAT_NAME,
-        "format_version": lc.FORMAT_VERSION,
-        "fingerprint": stable_hash(provenance),
-        "provenance": provenance,
-        "vae": {
-            "name": vae.name,
-            "class": type(vae.module).__name__,
-            "spec": vae_spec,
-            "latent_channels": vae.latent_channels,
-            "spatial_factor": vae.spatial_factor,
-            "temporal_factor": vae.temporal_factor,
-            "normalization": normalization_record(vae),
-        },
-        "text_encoder": None
-        if text is None
-        else {
-            "kind": text["kind"],
-            "max_sequence_length": text["max_sequence_length"],
-            "dim": text_dims[0] if text_dims else None,
-            "pooled_dim": text_dims[1] if text_dims else None,
-        },
-        "store": store,
-        "storage_dtype": "bfloat16",
-        "latent_keys": list(latent_keys),
-        "text_keys": list(lc.TEXT_KEYS) if text is not None else [],
-        "null_text": lc.NULL_TEXT_FILE if text is not None else None,
-        "tensor_layout": "latents [C, T, h, w] raw (not normalised); prompt_embeds [L, D]; mask [L]; pooled [Dp]",
-        "created_by": f"pfctl {__version__}",
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
-# ---------------------------------------------------------------------------------------- decoding
+# ------------------------------------------------------------------------------------- clips
 
 
 def candidate_clip_ids(item: Item, cfg: EncodeConfig) -> list[str]:
@@ -324,95 +130,6 @@ def candidate_clip_ids(item: Item, cfg: EncodeConfig) -> list[str]:
     if item.kind == "video" and item.frames is None and cfg.clip_mode == "uniform":
         return [clip_id_for(item.id, k, "uniform") for k in range(cfg.clips_per_video)]
     return [item.id]
-
-
-class _DecodeDataset(torch.utils.data.Dataset):
-    def __init__(self, work: list[tuple[Item, frozenset[str]]], settings: FrameSettings) -> None:
-        self.work, self.settings = work, settings
-
-    def __len__(self) -> int:
-        return len(self.work)
-
-    def __getitem__(self, index: int) -> DecodedItem:
-        item, skip = self.work[index]
-        return decode_item(item, self.settings, skip)
-
-
-def _no_collate(x: Any) -> Any:
-    return x
-
-
-def _prefetch_thread(
-    work: list[tuple[Item, frozenset[str]]],
-    settings: FrameSettings,
-    depth: int,
-    pin: bool = False,
-) -> Iterator[DecodedItem]:
-    """Decode in one background thread (decord and torch release the GIL while they work).
-
-    However the consumer stops (done, an error such as a full disk, or leaving the loop early), the thread
-    is stopped and joined before this generator closes: it finishes the clip in hand, and the queue is
-    drained so that a put it is blocked in returns. A decoder still running in native code when the
-    interpreter exits can abort the process ("terminate called without an active exception") and turn a
-    clean exit code into a crash."""
-    box: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    done = object()
-
-    def produce() -> None:
-        try:
-            for item, skip in work:
-                if stop.is_set():
-                    break
-                decoded = decode_item(item, settings, skip)
-                box.put(decoded.pin_memory() if pin else decoded)
-        except BaseException as exc:
-            box.put(exc)
-        box.put(done)
-
-    thread = threading.Thread(target=produce, name="pfctl-decode", daemon=True)
-    thread.start()
-    try:
-        while True:
-            got = box.get()
-            if got is done:
-                break
-            if isinstance(got, BaseException):
-                raise got
-            yield got
-    finally:
-        stop.set()
-        while thread.is_alive():
-            with contextlib.suppress(queue.Empty):
-                box.get(timeout=0.05)
-        thread.join()
-
-
-def decoded_items(
-    work: list[tuple[Item, frozenset[str]]],
-    settings: FrameSettings,
-    num_workers: int,
-    prefetch: int,
-    pin: bool = False,
-) -> Iterator[DecodedItem]:
-    """Decoded items in order, decoded ahead of the consumer (workers or a thread); with ``pin``
-    their frames arrive in page-locked memory (for a GPU encoder)."""
-    if not work:
-        return
-    if num_workers > 0:
-        loader = torch.utils.data.DataLoader(
-            _DecodeDataset(work, settings),
-            batch_size=None,
-            shuffle=False,
-            num_workers=min(num_workers, len(work)),
-            prefetch_factor=prefetch,
-            collate_fn=_no_collate,
-            persistent_workers=False,
-            pin_memory=pin,
-        )
-        yield from loader
-        return
-    yield from _prefetch_thread(work, settings, prefetch, pin)
 
 
 # ---------------------------------------------------------------------------------------- encoding
@@ -624,17 +341,6 @@ class _Encoder:
         return failed
 
 
-# ------------------------------------------------------------------------------------------ run
-
-
-def _load_text_encoder(folder: Path, kind: str, cfg: EncodeConfig, dtype: torch.dtype, device: torch.device):
-    from pfctl.models.text_encoder import load_text_encoder
-
-    return load_text_encoder(
-        folder, model_name=kind, dtype=dtype, device=device, max_sequence_length=cfg.max_sequence_length
-    )
-
-
 def _latent_shape(vae: Any, num_frames: int, width: int, height: int) -> tuple[int, int, int, int]:
     latent_t = (num_frames - 1) // vae.temporal_factor + 1
     return (vae.latent_channels, latent_t, height // vae.spatial_factor, width // vae.spatial_factor)
@@ -652,37 +358,29 @@ def _bytes_per_clip(
     return total
 
 
-def _dry_run(
-    items: list[Item],
-    cfg: EncodeConfig,
-    settings: FrameSettings,
-    vae: Any,
-    header: dict[str, Any],
-    text_dims: tuple[int, int] | None,
-    root: Path,
-    report: EncodeReport,
-) -> EncodeReport:
-    """Probe every input (no frames decoded beyond the first), plan clips and estimate the cache size."""
+def _probe(item: Item, settings: FrameSettings) -> list[Any]:
+    """The clips an input would give, from its header alone (no frames decoded beyond the first)."""
+    if item.kind == "image":
+        width, height = probe_image(item.path, settings.max_source_pixels)
+        return plan_image(item, width, height, settings)
+    info = probe_video(item.path, settings.max_source_pixels, reader=open_video(item.path))
+    return plan_clips(item, info, settings)
+
+
+def _dry_run(run: _Run, report: EncodeReport) -> None:
+    """Probe every input, plan clips and estimate the cache size (into ``report``)."""
+    root, header, cfg = run.root, run.header, run.cfg
     existing = lc.read_header(root) if root.is_dir() else None
-    writer = (
-        lc.LatentCacheWriter(root, header)
-        if existing and existing.get("fingerprint") == header["fingerprint"]
-        else None
-    )
+    same = existing is not None and existing.get("fingerprint") == header["fingerprint"]
+    writer = lc.LatentCacheWriter(root, header) if same else None
     groups: dict[tuple[str, int], list[int]] = {}
-    with pflog.progress("validating inputs", total=len(items)) as bar:
-        for item in items:
+    with pflog.progress("validating inputs", total=len(run.items)) as bar:
+        for item in run.items:
             try:
-                if item.kind == "image":
-                    width, height = probe_image(item.path, settings.max_source_pixels)
-                    plans = plan_image(item, width, height, settings)
-                else:
-                    info = probe_video(item.path, settings.max_source_pixels, reader=open_video(item.path))
-                    plans = plan_clips(item, info, settings)
+                plans = _probe(item, run.settings)
             except MediaError as exc:
                 report.failures.append(_failure_row(item, exc, 0))
-                bar.update(1, failed=len(report.failures))
-                continue
+                plans = []
             for plan in plans:
                 counts = groups.setdefault((plan.bucket.name, plan.num_frames), [0, 0])
                 counts[0] += 1
@@ -690,16 +388,266 @@ def _dry_run(
             bar.update(1, failed=len(report.failures))
     for (bucket_name, frames), (clips, cached) in sorted(groups.items()):
         width, height = (int(v) for v in bucket_name.split("x"))
-        shape = _latent_shape(vae, frames, width, height)
-        size = _bytes_per_clip(shape, cfg.store, text_dims, cfg.max_sequence_length)
+        shape = _latent_shape(run.vae, frames, width, height)
+        size = _bytes_per_clip(shape, cfg.store, run.text_dims, cfg.max_sequence_length)
         report.plan.append(PlanRow(bucket_name, frames, shape, clips, cached, size))
         report.estimated_bytes += size * (clips - cached)
     report.failed = len(report.failures)
     report.failures_by_reason = dict(Counter(f["reason"] for f in report.failures))
     report.skipped = sum(r.cached for r in report.plan)
-    if text_dims is None and cfg.text:
+    if run.text_dims is None and cfg.text:
         report.notes.append("text feature sizes unknown (no config.json found); estimate covers latents only")
-    return report
+
+
+# ------------------------------------------------------------------------------------------ run
+
+
+def _load_text_encoder(folder: Path, kind: str, cfg: EncodeConfig, dtype: torch.dtype, device: torch.device):
+    from pfctl.models.text_encoder import load_text_encoder
+
+    return load_text_encoder(
+        folder, model_name=kind, dtype=dtype, device=device, max_sequence_length=cfg.max_sequence_length
+    )
+
+
+@dataclass
+class _Run:
+    """What the steps of one run share (settled by :func:`_prepare`)."""
+
+    config: RecipeConfig
+    cfg: EncodeConfig
+    runtime: Runtime
+    items: list[Item]
+    root: Path
+    dtype: torch.dtype
+    device: torch.device
+    vae: Any
+    settings: FrameSettings
+    header: dict[str, Any]
+    text_source: tuple[Path, str] | None
+    text_dims: tuple[int, int] | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def world(self) -> int:
+        return self.runtime.world_size
+
+
+def _inputs(config: RecipeConfig) -> tuple[RecipeConfig, dict[str, Any] | None, list[Item]]:
+    """The config with its model filled in, the embedded model's manifest (if it is the model), and
+    the validated annotation items. Raises :class:`ConfigError` / input errors before any work."""
+    if not config.encode.annotations:
+        raise ConfigError(
+            "no annotations given",
+            hint="pass --annotations FILE.jsonl|FILE.csv|FOLDER (or set encode.annotations)",
+        )
+    items = load_annotations(config.encode.annotations)
+    if any(item.kind == "video" for item in items):
+        require_decord()
+    config, manifest = setup.with_model(config)
+    return config, manifest, items
+
+
+def _prepare(config: RecipeConfig, runtime: Runtime, *, dry_run: bool) -> _Run:
+    """Step 1: inputs, VAE, the settled encode settings, their checks, and the cache header."""
+    from pfctl.models.vae import load_vae
+
+    config, manifest, items = _inputs(config)
+    vae_spec = setup.resolve_vae_spec(config)
+    dtype = setup.resolve_dtype(config)
+    text_source = setup.resolve_text_folder(config)
+    device = torch.device("cpu") if dry_run else runtime.device
+    vae = load_vae(vae_spec, dtype=dtype, device=device)
+    cfg = config.encode
+    if manifest is not None:  # the embedded model: its trained size, frame rate and clip length
+        cfg = setup.apply_model_settings(cfg, setup.model_encode_settings(manifest, vae.temporal_factor))
+        config = config.model_copy(update={"encode": cfg})
+    contract = FrameContract.from_vae(vae, max(cfg.num_frames, cfg.max_frames))
+    settings = setup.frame_settings(cfg, contract, decode_threads=1 if cfg.num_workers > 0 else 0)
+    setup.check_frames(cfg, settings, vae)
+    setup.check_trainable_buckets(config, settings, vae)
+    text_dims = setup.text_dims_from_folder(*text_source) if text_source else None
+    header = setup.build_header(
+        vae=vae,
+        vae_spec=vae_spec,
+        compute_dtype=dtype,
+        text=setup.text_identity(*text_source, cfg.max_sequence_length) if text_source else None,
+        text_dims=text_dims,
+        preprocessing=setup.preprocessing_record(cfg, settings, runtime.seed),
+        store=cfg.store,
+    )
+    run = _Run(
+        config=config, cfg=cfg, runtime=runtime, items=items, root=Path(cfg.output_dir).expanduser(), dtype=dtype,
+        device=device, vae=vae, settings=settings, header=header, text_source=text_source, text_dims=text_dims,
+    )  # fmt: skip
+    if settings.clip_frames != cfg.num_frames and cfg.clip_mode != "full":
+        run.notes.append(
+            f"num_frames {cfg.num_frames} snapped to {settings.clip_frames} (the VAE's frame contract)"
+        )
+    return run
+
+
+@contextlib.contextmanager
+def _models(run: _Run) -> Iterator[Any]:
+    """The one place the models live on the device: yields the text encoder (None without text);
+    on the way out, whatever happens, the VAE and the text encoder leave the device."""
+    text_encoder = (
+        _load_text_encoder(*run.text_source, run.cfg, run.dtype, run.device) if run.text_source else None
+    )
+    try:
+        yield text_encoder
+    finally:
+        del text_encoder
+        run.vae = None
+        if run.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _open_folder(run: _Run, text_encoder: Any, mode: str) -> lc.LatentCacheWriter:
+    """Step 3: every rank has checked the folder; the main process now prepares it."""
+    header = run.header
+    if text_encoder is not None:
+        header["text_encoder"]["dim"] = int(text_encoder.joint_attention_dim)
+        header["text_encoder"]["pooled_dim"] = int(text_encoder.pooled_dim)
+    writer = lc.LatentCacheWriter(run.root, header, rank=run.runtime.rank)
+    run.runtime.barrier()
+    if run.runtime.is_main:
+        root = run.root
+        if mode == "overwrite":
+            lc.clear_folder(root)
+        root.mkdir(parents=True, exist_ok=True)
+        if mode != "resume":
+            writer.write_header()
+        else:
+            writer.header = lc.read_header(root) or header
+        if (root / lc.PARTS_DIR).exists():  # left by a killed run; its clips are found by their files
+            shutil.rmtree(root / lc.PARTS_DIR)
+        lc.remove_stale_temp_files(root)
+        repaired = lc.repair_manifest(root)
+        if repaired is not None:
+            run.notes.append(
+                f"{lc.MANIFEST_FILE} was unreadable: rebuilt from the {len(repaired)} clip file(s)"
+            )
+        if text_encoder is not None and not (root / lc.NULL_TEXT_FILE).is_file():
+            writer.write_null_text({k: v.cpu() for k, v in _text_row(text_encoder.empty_embedding()).items()})
+    run.runtime.barrier()
+    return writer
+
+
+def _pending_work(run: _Run, encoder: _Encoder) -> Work:
+    """Step 4: this rank's items, minus the clips already cached (counted as skipped)."""
+    old_rows = _old_manifest(run.root)
+    work: Work = []
+    for item in run.items[run.runtime.rank :: run.world]:
+        cached = {}
+        candidates = candidate_clip_ids(item, run.cfg)
+        for clip_id in candidates:
+            row = old_rows.get(clip_id)
+            if row is not None and (run.root / row["path"]).is_file():
+                cached[clip_id] = row
+            elif (found := encoder.writer.finished_row(clip_id)) is not None:
+                cached[clip_id] = found
+        if len(cached) == len(candidates):
+            encoder.rows.extend(cached.values())
+            encoder.skipped += len(cached)
+        else:
+            work.append((item, frozenset(cached)))
+    pflog.log(
+        f"encode-latents: {len(run.items)} inputs, {run.world} process(es); this rank: {len(work)} to decode, "
+        f"{encoder.skipped} clip(s) already cached; VAE {run.vae.name} on {run.device}, {run.cfg.chunking} chunking"
+    )
+    return work
+
+
+def _encode_all(run: _Run, encoder: _Encoder, work: Work, max_failures: int | None) -> dict[str, Any]:
+    """Step 5: decode ahead, encode, write; then this rank's manifest part. Returns its stats.
+
+    The bar counts inputs, advanced once an input's last clip is written: clips are pipelined one
+    deep (see :class:`_Encoder`), so an input whose clip is still in flight is not done yet."""
+    rank, cfg = run.runtime.rank, run.cfg
+    aborted: str | None = None
+    stopped_early = False
+    t0 = time.monotonic()
+    try:
+        with (
+            pflog.progress(
+                f"encoding (rank {rank})" if run.world > 1 else "encoding", total=len(work)
+            ) as bar,
+            # closed on the way out whatever happens (the decoders stop now, not whenever the error is freed)
+            contextlib.closing(
+                decoded_items(work, run.settings, cfg.num_workers, cfg.prefetch, run.device.type == "cuda")
+            ) as stream,
+        ):
+            handled = shown = 0
+            for decoded in stream:
+                encoder.handle(decoded)
+                handled += 1
+                shown = _show_progress(bar, encoder, handled - (encoder.pending is not None), shown, t0)
+                if max_failures is not None and len(encoder.failures) > max_failures:
+                    stopped_early = True
+                    break
+            encoder.finish()  # the last clip in flight
+            _show_progress(bar, encoder, handled, shown, t0)
+    except BaseException as exc:
+        aborted = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        stats = {
+            "rank": rank, "encoded": encoder.encoded, "skipped": encoder.skipped, "failed": len(encoder.failures),
+            "stopped_early": stopped_early, "aborted": aborted, "loop_seconds": time.monotonic() - t0,
+        }  # fmt: skip
+        encoder.writer.write_part(encoder.rows, encoder.failures, stats)
+    return stats
+
+
+def _show_progress(bar: Any, encoder: _Encoder, done: int, shown: int, t0: float) -> int:
+    rate = encoder.encoded / max(time.monotonic() - t0, 1e-9)
+    bar.update(done - shown, clips=encoder.encoded, clips_per_s=f"{rate:.2f}", failed=len(encoder.failures))
+    return done
+
+
+def _summarise(run: _Run, encoder: _Encoder, stats: dict[str, Any], report: EncodeReport) -> None:
+    """Step 6: the main process waits for every rank's part and merges them; others report their own."""
+    if run.runtime.is_main:
+        all_stats = lc.wait_for_parts(run.root, run.world)
+        rows, failures = lc.merge_parts(run.root, run.world)
+        broken = [s for s in all_stats if s.get("aborted")]
+        if broken:
+            raise DistributedError(
+                f"rank {broken[0]['rank']} stopped with an error: {broken[0]['aborted']}",
+                hint="see that rank's output; rerun the same command to resume (finished clips are kept)",
+            )
+        report.encoded = sum(s["encoded"] for s in all_stats)
+        report.skipped = sum(s["skipped"] for s in all_stats)
+        report.stopped_early = any(s["stopped_early"] for s in all_stats)
+        report.encode_seconds = max(s["loop_seconds"] for s in all_stats)
+        report.manifest_clips = len(rows)
+        report.failures = failures
+    else:
+        report.encoded, report.skipped, report.failures = encoder.encoded, encoder.skipped, encoder.failures
+        report.stopped_early = stats["stopped_early"]
+        report.encode_seconds = stats["loop_seconds"]
+    report.failed = len(report.failures)
+    report.failures_by_reason = dict(Counter(f["reason"] for f in report.failures))
+
+
+def _check_failures(report: EncodeReport, max_failures: int | None, is_main: bool) -> None:
+    """Too many failed inputs, or nothing encoded at all: :class:`CheckFailed` carrying the report."""
+    error = None
+    if max_failures is not None and report.failed > max_failures:
+        error = CheckFailed(
+            f"{report.failed} input(s) failed, more than max_failures={max_failures}"
+            + (" (stopped early)" if report.stopped_early else ""),
+            hint=f"see {report.failures_path} for the reasons; finished clips are kept and a rerun resumes",
+        )
+    elif is_main and report.failed and report.manifest_clips == 0:
+        error = CheckFailed(
+            f"nothing was encoded: all {report.failed} input(s) failed",
+            hint=f"see {report.failures_path} for the reasons",
+        )
+    if error is not None:
+        error.report = report  # type: ignore[attr-defined]
+        raise error
 
 
 def run_encode(
@@ -717,191 +665,40 @@ def run_encode(
     carries the report as ``.report``. With ``dry_run`` nothing is written.
     """
     start = time.monotonic()
-    cfg = config.encode
-    max_failures = cfg.max_failures if max_failures is None else max_failures
-
-    # 1. inputs ----------------------------------------------------------------------------------
-    if not cfg.annotations:
-        raise ConfigError(
-            "no annotations given",
-            hint="pass --annotations FILE.jsonl|FILE.csv|FOLDER (or set encode.annotations)",
-        )
-    items = load_annotations(cfg.annotations)
-    if any(item.kind == "video" for item in items):
-        require_decord()
-    vae_spec = resolve_vae_spec(config)
-    dtype = resolve_dtype(config)
-    text_source = resolve_text_folder(config)
-    root = Path(cfg.output_dir).expanduser()
-
     if runtime is None:
         from pfctl.runtime.accelerator import build_runtime
 
         runtime = build_runtime(config.runtime)
-    rank, world = runtime.rank, runtime.world_size
     if dry_run and not runtime.is_main:
+        _inputs(config)  # the same input errors on every rank
+        root = str(Path(config.encode.output_dir).expanduser())
         return EncodeReport(
-            output_dir=str(root), fingerprint="", dry_run=True, is_main=False, world_size=world
+            output_dir=root, fingerprint="", dry_run=True, is_main=False, world_size=runtime.world_size
         )
-
-    from pfctl.models.vae import load_vae
-
-    device = torch.device("cpu") if dry_run else runtime.device
-    vae = load_vae(vae_spec, dtype=dtype, device=device)
-    need = max(cfg.num_frames, cfg.max_frames)
-    contract = FrameContract.from_vae(vae, need)
-    threads = 1 if cfg.num_workers > 0 else 0
-    settings = frame_settings(cfg, contract, decode_threads=threads)
-    _check_frames_and_buckets(cfg, settings, vae)
-
-    # 2. provenance, fingerprint, folder check ---------------------------------------------------------
-    text_id = text_identity(*text_source, cfg.max_sequence_length) if text_source else None
-    text_dims = _text_dims_from_folder(*text_source) if text_source else None
-    header = build_header(
-        vae=vae,
-        vae_spec=vae_spec,
-        compute_dtype=dtype,
-        text=text_id,
-        text_dims=text_dims,
-        preprocessing=preprocessing_record(cfg, settings, runtime.seed),
-        store=cfg.store,
-    )
+    run = _prepare(config, runtime, dry_run=dry_run)
+    limit = run.cfg.max_failures if max_failures is None else max_failures
     report = EncodeReport(
-        output_dir=str(root), fingerprint=header["fingerprint"], dry_run=dry_run, items=len(items),
-        world_size=world, is_main=runtime.is_main,
+        output_dir=str(run.root), fingerprint=run.header["fingerprint"], dry_run=dry_run, items=len(run.items),
+        world_size=run.world, is_main=runtime.is_main, notes=run.notes,
     )  # fmt: skip
-    if settings.clip_frames != cfg.num_frames and cfg.clip_mode != "full":
-        report.notes.append(
-            f"num_frames {cfg.num_frames} snapped to {settings.clip_frames} (the VAE's frame contract)"
-        )
-    mode = lc.prepare_folder(root, header, overwrite=overwrite)  # read-only, every rank
+    mode = lc.prepare_folder(run.root, run.header, overwrite=overwrite)  # read-only, every rank
     if dry_run:
         if mode == "overwrite":
-            report.notes.append(f"--overwrite would delete the existing cache in {root}")
-        report = _dry_run(items, cfg, settings, vae, header, text_dims, root, report)
+            report.notes.append(f"--overwrite would delete the existing cache in {run.root}")
+        _dry_run(run, report)
         report.seconds = time.monotonic() - start
         return report
-
-    text_encoder = _load_text_encoder(*text_source, cfg, dtype, device) if text_source else None
-    if text_encoder is not None:
-        header["text_encoder"]["dim"] = int(text_encoder.joint_attention_dim)
-        header["text_encoder"]["pooled_dim"] = int(text_encoder.pooled_dim)
-    writer = lc.LatentCacheWriter(root, header, rank=rank)
-    runtime.barrier()  # every rank has checked the folder before the main process changes it
-    if runtime.is_main:
-        if mode == "overwrite":
-            lc.clear_folder(root)
-        root.mkdir(parents=True, exist_ok=True)
-        if mode != "resume":
-            writer.write_header()
-        else:
-            writer.header = lc.read_header(root) or header
-        if (root / lc.PARTS_DIR).exists():  # left by a killed run; its clips are found by their files
-            shutil.rmtree(root / lc.PARTS_DIR)
-        lc.remove_stale_temp_files(root)
-        if text_encoder is not None and not (root / lc.NULL_TEXT_FILE).is_file():
-            writer.write_null_text({k: v.cpu() for k, v in _text_row(text_encoder.empty_embedding()).items()})
-    runtime.barrier()
-
-    # 3. this rank's share, minus finished clips ------------------------------------------------------
-    old_rows = _old_manifest(root)
-    encoder = _Encoder(
-        cfg=cfg, vae=vae, text_encoder=text_encoder, writer=writer, device=device, dtype=dtype,
-        seed=runtime.seed, rank=rank,
-    )  # fmt: skip
-    work: list[tuple[Item, frozenset[str]]] = []
-    for item in items[rank::world]:
-        cached = {}
-        for clip_id in candidate_clip_ids(item, cfg):
-            row = old_rows.get(clip_id)
-            if row is not None and (root / row["path"]).is_file():
-                cached[clip_id] = row
-            else:
-                found = writer.finished_row(clip_id)
-                if found is not None:
-                    cached[clip_id] = found
-        if len(cached) == len(candidate_clip_ids(item, cfg)):
-            encoder.rows.extend(cached.values())
-            encoder.skipped += len(cached)
-        else:
-            work.append((item, frozenset(cached)))
-    pflog.log(
-        f"encode-latents: {len(items)} inputs, {world} process(es); this rank: {len(work)} to decode, "
-        f"{encoder.skipped} clip(s) already cached; VAE {vae.name} on {device}, {cfg.chunking} chunking"
-    )
-
-    # 4. decode ahead, encode, write --------------------------------------------------------------------
-    aborted: str | None = None
-    failed_items = 0
-    t0 = time.monotonic()
-    try:
-        with pflog.progress(f"encoding (rank {rank})" if world > 1 else "encoding", total=len(work)) as bar:
-            pin = device.type == "cuda"
-            # closed on the way out whatever happens (the decoders stop now, not whenever the error is freed)
-            with contextlib.closing(
-                decoded_items(work, settings, cfg.num_workers, cfg.prefetch, pin)
-            ) as items:
-                for decoded in items:
-                    failed_items += encoder.handle(decoded)
-                    rate = encoder.encoded / max(time.monotonic() - t0, 1e-9)
-                    bar.update(1, clips=encoder.encoded, clips_per_s=f"{rate:.2f}", failed=failed_items)
-                    if max_failures is not None and failed_items > max_failures:
-                        report.stopped_early = True
-                        break
-            failed_items += encoder.finish()  # the last clip in flight
-    except BaseException as exc:
-        aborted = f"{type(exc).__name__}: {exc}"
-        raise
-    finally:
-        stats = {
-            "rank": rank,
-            "encoded": encoder.encoded,
-            "skipped": encoder.skipped,
-            "failed": len(encoder.failures),
-            "stopped_early": report.stopped_early,
-            "aborted": aborted,
-            "loop_seconds": time.monotonic() - t0,
-        }
-        writer.write_part(encoder.rows, encoder.failures, stats)
-
-    # 5. merge (main process) and summarise --------------------------------------------------------------
-    if runtime.is_main:
-        all_stats = lc.wait_for_parts(root, world)
-        rows, failures = lc.merge_parts(root, world)
-        broken = [s for s in all_stats if s.get("aborted")]
-        if broken:
-            raise DistributedError(
-                f"rank {broken[0]['rank']} stopped with an error: {broken[0]['aborted']}",
-                hint="see that rank's output; rerun the same command to resume (finished clips are kept)",
-            )
-        report.encoded = sum(s["encoded"] for s in all_stats)
-        report.skipped = sum(s["skipped"] for s in all_stats)
-        report.stopped_early = any(s["stopped_early"] for s in all_stats)
-        report.encode_seconds = max(s["loop_seconds"] for s in all_stats)
-        report.manifest_clips = len(rows)
-        report.failures = failures
-    else:
-        report.encoded, report.skipped, report.failures = encoder.encoded, encoder.skipped, encoder.failures
-        report.encode_seconds = stats["loop_seconds"]
-    report.failed = len(report.failures)
-    report.failures_by_reason = dict(Counter(f["reason"] for f in report.failures))
+    with _models(run) as text_encoder:
+        writer = _open_folder(run, text_encoder, mode)
+        encoder = _Encoder(
+            cfg=run.cfg, vae=run.vae, text_encoder=text_encoder, writer=writer, device=run.device, dtype=run.dtype,
+            seed=runtime.seed, rank=runtime.rank,
+        )  # fmt: skip
+        stats = _encode_all(run, encoder, _pending_work(run, encoder), limit)
+        encoder.vae = encoder.text_encoder = None
+    _summarise(run, encoder, stats, report)
     report.seconds = time.monotonic() - start
-
-    if max_failures is not None and report.failed > max_failures:
-        error = CheckFailed(
-            f"{report.failed} input(s) failed, more than max_failures={max_failures}"
-            + (" (stopped early)" if report.stopped_early else ""),
-            hint=f"see {report.failures_path} for the reasons; finished clips are kept and a rerun resumes",
-        )
-        error.report = report  # type: ignore[attr-defined]
-        raise error
-    if runtime.is_main and report.failed and report.manifest_clips == 0:
-        error = CheckFailed(
-            f"nothing was encoded: all {report.failed} input(s) failed",
-            hint=f"see {report.failures_path} for the reasons",
-        )
-        error.report = report  # type: ignore[attr-defined]
-        raise error
+    _check_failures(report, limit, runtime.is_main)
     return report
 
 
@@ -913,21 +710,6 @@ def _old_manifest(root: Path) -> dict[str, dict[str, Any]]:
         return {row["id"]: row for row in lc._read_jsonl(path)}
     except PfctlError:
         return {}
-
-
-def _check_frames_and_buckets(cfg: EncodeConfig, settings: FrameSettings, vae: Any) -> None:
-    if cfg.clip_mode != "full" and settings.clip_frames < 1:
-        raise ConfigError(
-            f"encode.num_frames = {cfg.num_frames}: no valid frame count for VAE {vae.name} at or below it",
-            hint=f"use e.g. {vae.valid_num_frames(max(cfg.num_frames, 1 + vae.temporal_factor) + vae.temporal_factor)}",
-        )
-    factor = vae.spatial_factor
-    bad = [b.name for b in settings.buckets if b.width % factor or b.height % factor]
-    if bad:
-        raise ConfigError(
-            f"encode.buckets {bad} are not multiples of the VAE's spatial factor {factor}",
-            hint=f"round each side to a multiple of {factor} (e.g. 640x384)",
-        )
 
 
 __all__ = ["REASONS", "EncodeReport", "PlanRow", "run_encode"]

@@ -358,6 +358,22 @@ def rebuild_manifest(root: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def repair_manifest(root: str | Path) -> list[dict[str, Any]] | None:
+    """Rebuild ``manifest.jsonl`` from the clip files when it cannot be read (cut mid-line by a full
+    disk or a crash, or edited); return the rebuilt rows, or None when it reads (or does not exist).
+    The clip files are the truth: each carries its id and fingerprint."""
+    path = Path(root) / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        rows = _read_jsonl(path)
+        if all(isinstance(r, dict) and "id" in r and "path" in r for r in rows):
+            return None
+    except (CacheError, UnicodeDecodeError):
+        pass
+    return rebuild_manifest(root)
+
+
 # ------------------------------------------------------------------------------------------ reader
 
 

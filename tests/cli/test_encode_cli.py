@@ -105,8 +105,11 @@ def test_bad_inputs_exit_2(tmp_path: Path) -> None:
     result = runner.invoke(app, ["encode-latents", "-a", str(tmp_path / "a.csv")], prog_name="pfctl")
     assert result.exit_code == 2 and "missing column" in result.output and "'video'" in result.output
     (tmp_path / "a.jsonl").write_text(json.dumps({"video": "x.mp4", "text": "hi"}) + "\n")
-    result = runner.invoke(app, ["encode-latents", "-a", str(tmp_path / "a.jsonl")], prog_name="pfctl")
-    assert result.exit_code == 2 and "no VAE given" in result.output and "--vae" in result.output
+    # no model option: the embedded model, whose DiT cannot train a 96x64 bucket (refused before any work)
+    args = ["encode-latents", "-a", str(tmp_path / "a.jsonl"), "-o", str(tmp_path / "c")]
+    result = runner.invoke(app, [*args, "--set", "encode.buckets=[[96,64]]"], prog_name="pfctl")
+    assert result.exit_code == 2 and "96x64" in result.output and "64x64, 128x64" in result.output, result.output
+    assert not (tmp_path / "c").exists()
 
 
 def test_unknown_vae_class_exits_2(tmp_path: Path) -> None:

@@ -121,7 +121,7 @@ def test_round_trip_with_text(corpus: Path, text_folder: Path, tmp_path: Path, r
     assert null["prompt_embeds"].shape == (128, 32) and int(null["prompt_attention_mask"].sum()) >= 1
     # same latents as encoding the decoded clip directly with the adapter
     from pfctl.data.annotations import load_annotations
-    from pfctl.data.encode import frame_settings
+    from pfctl.data.encode_setup import frame_settings
     from pfctl.data.video import FrameContract, decode_item, to_model_input
     from pfctl.models.vae import load_vae
 
@@ -260,7 +260,7 @@ def test_decode_thread_is_joined_however_the_consumer_stops(monkeypatch: pytest.
     ("terminate called without an active exception", exit -6 instead of 1)."""
     import threading
 
-    import pfctl.data.encode as encode
+    import pfctl.data.decoding as encode
 
     decoded: list[int] = []
 
@@ -389,3 +389,146 @@ def test_two_processes_write_every_clip_exactly_once(corpus: Path, tmp_path: Pat
     assert [(f["id"], f["reason"]) for f in failures] == [("missing", "missing")]
     assert len(_stamps(out)) == 6 and not (out / lc.PARTS_DIR).exists()
     assert done.stdout.count("encode-latents →") == 1  # one summary, from the main process
+
+
+def _embedded_config(ann: Path, out: Path, **flags):
+    return load_config(
+        None,
+        [],
+        {"encode.annotations": str(ann), "encode.output_dir": str(out), "encode.num_workers": 0, **flags},
+    )
+
+
+def test_no_model_option_uses_the_embedded_model_and_its_settings(tmp_path: Path, runtime) -> None:
+    """No --model and no --vae: the embedded model's VAE and text encoders, and the size, frame rate
+    and clip length it was trained with; -m <its folder> is the same model; a user's setting wins."""
+    from pfctl.models.embedded import embedded_model_path
+
+    write_video(tmp_path / "v.mp4", moving_frames(30, 72, 96), fps=30)
+    ann = tmp_path / "a.jsonl"
+    ann.write_text(json.dumps({"video": "v.mp4", "text": "a red circle moving right"}) + "\n")
+    report = run_encode(_embedded_config(ann, tmp_path / "c"), runtime=runtime)
+    assert report.encoded == 1 and report.failed == 0
+    cache = lc.LatentCache.open(tmp_path / "c")
+    assert (
+        cache.header["vae"]["spec"] == str(embedded_model_path()) and cache.header["text_encoder"] is not None
+    )
+    preprocessing = cache.header["provenance"]["preprocessing"]
+    assert (preprocessing["buckets"], preprocessing["fps"], preprocessing["num_frames"]) == (
+        ["64x64"],
+        24.0,
+        17,
+    )
+    assert cache.metadata("v")["bucket"] == "64x64" and cache.metadata("v")["num_frames"] == "17"
+
+    flags = {"model.path": str(embedded_model_path()), "encode.num_frames": 9, "encode.text": False}
+    report = run_encode(_embedded_config(ann, tmp_path / "c2", **flags), runtime=runtime)
+    preprocessing = lc.LatentCache.open(tmp_path / "c2").header["provenance"]["preprocessing"]
+    assert report.encoded == 1 and (preprocessing["buckets"], preprocessing["num_frames"]) == (["64x64"], 9)
+
+
+def test_buckets_the_dit_cannot_train_are_refused_before_any_work(tmp_path: Path, runtime) -> None:
+    """Bucket sides must be multiples of VAE factor x DiT patch x 2^(stages-1) = 8 x 2 x 4 px for the
+    embedded model; the error names the bucket and the nearest valid sizes, and nothing is written."""
+    write_video(tmp_path / "v.mp4", moving_frames(30, 72, 96), fps=30)
+    ann = tmp_path / "a.jsonl"
+    ann.write_text(json.dumps({"video": "v.mp4", "text": "x"}) + "\n")
+    for buckets, named, nearest in [
+        ([[64, 64], [96, 64]], "96x64", "64x64, 128x64"),
+        ([[1280, 720]], "1280x720", "1280x704, 1280x768"),
+        ([[640, 352]], "640x352", "640x320, 640x384"),
+    ]:
+        config = _embedded_config(ann, tmp_path / "c", **{"encode.buckets": buckets})
+        with pytest.raises(ConfigError, match=f"bucket {named} px") as info:
+            run_encode(config, runtime=runtime, dry_run=True)
+        assert info.value.hint == f"nearest valid sizes: {nearest}" and not (tmp_path / "c").exists()
+        with pytest.raises(ConfigError, match=named):
+            run_encode(config, runtime=runtime)
+        assert not (tmp_path / "c").exists()
+
+
+def test_torn_manifest_is_rebuilt_by_the_rerun(corpus: Path, tmp_path: Path, runtime) -> None:
+    """A manifest cut mid-line (a crash or a full disk while it was written): the rerun rebuilds it from
+    the clip files, re-encodes nothing, and the cache opens again."""
+    out = tmp_path / "c"
+    run_encode(_config(corpus / "train.jsonl", out), runtime=runtime)
+    manifest = out / lc.MANIFEST_FILE
+    whole, before = manifest.read_text(), _stamps(out)
+    manifest.write_text(whole[: len(whole) - len(whole.splitlines()[-1]) // 2 - 1])
+    with pytest.raises(CacheError, match="not valid JSON"):
+        lc.LatentCache.open(out)
+    report = run_encode(_config(corpus / "train.jsonl", out), runtime=runtime)
+    assert report.encoded == 0 and report.skipped == len(before) == report.manifest_clips
+    assert _stamps(out) == before  # no clip re-encoded or rewritten
+    assert manifest.read_text() == whole and len(lc.LatentCache.open(out)) == len(before)
+    assert any("rebuilt" in note for note in report.notes)
+
+
+def test_progress_ends_with_every_clip_counted(
+    corpus: Path, tmp_path: Path, runtime, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The bar's last line counts every input and every clip: the clip still in flight when the last
+    input was handed over is written (and counted) before the bar reaches its total."""
+    report = run_encode(_config(corpus / "train.jsonl", tmp_path / "c"), runtime=runtime)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("encoding:")]
+    assert report.encoded == 4 and lines, lines
+    assert re.match(r"encoding: 4/4 \(.*\) clips=4 ", lines[-1]) and len(lines) == 1, lines
+
+
+_ORPHAN_SCRIPT = """
+import sys, time
+import pfctl.data.decoding as decoding
+
+def slow_decode(item, settings, skip):
+    time.sleep(120)  # a worker busy in a long decode never looks at its parent
+    return item
+
+decoding.decode_item = slow_decode
+for _ in decoding.decoded_items([(i, frozenset()) for i in range(4)], None, num_workers=2, prefetch=1):
+    pass
+"""
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal and /proc are Linux")
+def test_decode_workers_die_with_a_killed_parent(tmp_path: Path) -> None:
+    """kill -9 of the process that started the decode workers: the workers (here busy in a long decode)
+    are gone within seconds instead of holding their memory for good."""
+    proc = subprocess.Popen([sys.executable, "-c", _ORPHAN_SCRIPT], env=_env(), start_new_session=True)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(workers := _children(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(workers) == 2, "the decode workers did not start"
+        time.sleep(1.0)  # both are inside their decode now
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [w for w in workers if _alive(w)]
+    finally:
+        proc.kill()
+        for w in workers:
+            if _alive(w):
+                os.kill(w, signal.SIGKILL)
