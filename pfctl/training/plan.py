@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pfctl.config.train import TrainConfig, columns_to_stages
+from pfctl.data.buckets import check_buckets, grid_multiple
 from pfctl.data.dataset import ClipInfo, ResolvedBatch, SyncGroupSampler, resolve_batch
 from pfctl.flow.pyramid import history_layout, sample_stage_length
 
@@ -185,6 +186,7 @@ def dry_run(config: Any, *, world_size: int | None = None, steps: int | None = N
     from pfctl.config.train import check_train_constraints
     from pfctl.flow.pyramid import plan_stage_lengths
     from pfctl.runtime.accelerator import world_size_from_env
+    from pfctl.training.memory import meta_dit
     from pfctl.training.trainer import cache_clips, cache_normalizer, cache_path, open_cache, split_heldout
 
     train = config.train
@@ -197,6 +199,7 @@ def dry_run(config: Any, *, world_size: int | None = None, steps: int | None = N
     cache_normalizer(cache)  # the header's normalisation rule must be understood
     cache.null_text()
     clips = cache_clips(cache)
+    check_cache_buckets(clips, meta_dit(config), train)
     heldout = {c.id for c in split_heldout(clips, train.heldout_clips, config.runtime.seed)}
     probed: dict[str, bool] = {}
 
@@ -268,6 +271,28 @@ def estimate_for_run(config: Any, cache: Any, clips: list[ClipInfo]) -> Any:
         + ("" if runtime.device != "auto" else " (runtime.device auto: assumed a GPU)")
     )
     return estimate
+
+
+def dit_patch(model: Any) -> int:
+    """Latent pixels per token side of a built DiT: the Flux DiT's fixed 2x2 patchify (its config's
+    ``patch_size`` only sizes ``proj_out``), else the MMDiT's ``patch_size``."""
+    from pfctl.models.dit_flux import PATCH as FLUX_PATCH
+    from pfctl.models.dit_flux import PyramidFluxTransformer
+
+    return FLUX_PATCH if isinstance(model, PyramidFluxTransformer) else int(model.config["patch_size"])
+
+
+def check_cache_buckets(clips: list[ClipInfo], model: Any, train: TrainConfig) -> None:
+    """Every bucket of the cache (latent units) must split into the DiT's tokens at every pyramid
+    stage: sides multiples of patch x 2^(stages - 1). Refused (exit 2) before the first step."""
+    patch, stages = dit_patch(model), len(train.sample_ratios)
+    sizes = sorted({(c.width, c.height) for c in clips})
+    why = (
+        f"DiT patch {patch} x 2^{stages - 1} for {stages} pyramid stages; re-encode with other encode.buckets"
+    )
+    check_buckets(
+        sizes, grid_multiple(patch=patch, stages=stages), what="the cache", unit="latent px", why=why
+    )
 
 
 def check_model_spec(config: Any) -> str:

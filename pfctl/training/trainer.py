@@ -57,7 +57,7 @@ from pfctl.runtime import logging as pflog
 from pfctl.training import checkpoint as ckpt
 from pfctl.training.ema import EMA
 from pfctl.training.optim import build_lr_scheduler, build_optimizer
-from pfctl.training.plan import assignment
+from pfctl.training.plan import assignment, check_cache_buckets
 from pfctl.utils.io import atomic_write_text
 
 _NOISE = 201
@@ -423,6 +423,7 @@ class Trainer:
         #    the cache holds the text embeddings and latents, so no text encoder and no VAE exist here.
         self.model_name, model, self.base_model_path, self.model_info = build_model(self.config)
         check_cache_matches_model(self.cache, model)
+        check_cache_buckets(clips, model, cfg)
         model.set_attention_backend(cfg.attention, cfg.skip_future_keys)
         self.lora_targets = setup_lora(model, cfg, rt) if cfg.lora.enabled else None
         if cfg.compile:  # after LoRA: the compiled graphs then include the adapters
