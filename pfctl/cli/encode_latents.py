@@ -12,7 +12,12 @@ from pfctl.cli.options import DryRunOpt, ModelOpt, OutputDirOpt, PrintConfigOpt,
 if TYPE_CHECKING:
     from pfctl.data.encode import EncodeReport
 
-HELP = "Decode videos (decord), encode them with the video VAE and the text encoders, and write a resumable, provenance-stamped latent cache."
+HELP = (
+    "Decode videos (decord), encode them with the video VAE and the text encoders, and write a resumable, "
+    "provenance-stamped latent cache. Without --model and --vae: the embedded model, its VAE and text encoders, "
+    "and its encode settings (its trained size, fps and clip length). Settings, lowest priority first: "
+    "defaults < the model's own < --recipe < --set < flags."
+)
 EPILOG = (
     "Examples: pfctl encode-latents -a data/train.jsonl -m ./pyramid-flow-miniflux -o cache/ | "
     "pfctl encode-latents -a videos/ --vae causal-vae-tiny --set encode.text=false --dry-run | "

@@ -3,6 +3,11 @@
 Every option and its default lives here (one place). Frame counts are *pixel* frames; the
 VAE adapter snaps them to its frame contract (``1 + 8k`` for Pyramid Flow's causal VAE), so
 ``num_frames: 121`` gives 16 latent frames and ``num_frames: 120`` is snapped down to 113.
+
+Priority, lowest first: these defaults < the model's own encode settings < the recipe < ``--set`` <
+flags. Only the embedded model has settings of its own (its trained size as the one bucket, its
+frame rate and clip length); it is the model when neither ``model.path`` nor ``model.vae`` is set,
+or when ``model.path`` is its folder.
 """
 
 from __future__ import annotations
@@ -48,7 +53,9 @@ class EncodeConfig(Section):
     # -- spatial ---------------------------------------------------------------------------------
     buckets: list[tuple[int, int]] = Field(default_factory=lambda: [list(b) for b in DEFAULT_BUCKETS])
     """Resolution buckets as [width, height]; each source goes to the bucket of nearest aspect ratio
-    (resize to cover, then center crop)."""
+    (resize to cover, then center crop). Sides must be multiples of VAE factor x DiT patch x
+    2^(stages - 1) (64 px for Pyramid Flow's 8x VAE, 2x2 patches and 3 stages) when the model folder
+    has a DiT, else of the VAE factor; other sizes are refused before any work."""
 
     # -- VAE ---------------------------------------------------------------------------------------
     chunking: Literal["none", "framewise", "exact"] = "none"
