@@ -6,8 +6,9 @@ Read :func:`run_encode` top to bottom; each step is one function:
    settle the encode settings (the model's own, then the user's), refuse frame counts and buckets the
    model cannot use, and build the provenance header and its fingerprint;
 2. check the output folder against it (resume, refuse to mix, or ``--overwrite``); a dry run plans here;
-3. :func:`_open_folder`: the main process writes the header and the null text, clears what a killed
-   run left, and repairs a torn ``manifest.jsonl`` from the clip files;
+3. :func:`_on_device` (the one context that holds the models) loads the text encoder, and
+   :func:`_open_folder` has the main process write the header and the null text, clear what a killed
+   run left, and repair a torn ``manifest.jsonl`` from the clip files;
 4. :func:`_pending_work`: shard the items over ranks (rank r takes items r, r+W, ...), skip clips already
    cached;
 5. :func:`_encode_all`: decode in DataLoader workers (or a prefetch thread) while the main thread
@@ -414,7 +415,6 @@ def _load_text_encoder(folder: Path, kind: str, cfg: EncodeConfig, dtype: torch.
 class _Run:
     """What the steps of one run share (settled by :func:`_prepare`)."""
 
-    config: RecipeConfig
     cfg: EncodeConfig
     runtime: Runtime
     items: list[Item]
@@ -477,7 +477,7 @@ def _prepare(config: RecipeConfig, runtime: Runtime, *, dry_run: bool) -> _Run:
         store=cfg.store,
     )
     run = _Run(
-        config=config, cfg=cfg, runtime=runtime, items=items, root=Path(cfg.output_dir).expanduser(), dtype=dtype,
+        cfg=cfg, runtime=runtime, items=items, root=Path(cfg.output_dir).expanduser(), dtype=dtype,
         device=device, vae=vae, settings=settings, header=header, text_source=text_source, text_dims=text_dims,
     )  # fmt: skip
     if settings.clip_frames != cfg.num_frames and cfg.clip_mode != "full":
@@ -485,22 +485,6 @@ def _prepare(config: RecipeConfig, runtime: Runtime, *, dry_run: bool) -> _Run:
             f"num_frames {cfg.num_frames} snapped to {settings.clip_frames} (the VAE's frame contract)"
         )
     return run
-
-
-@contextlib.contextmanager
-def _models(run: _Run) -> Iterator[Any]:
-    """The one place the models live on the device: yields the text encoder (None without text);
-    on the way out, whatever happens, the VAE and the text encoder leave the device."""
-    text_encoder = (
-        _load_text_encoder(*run.text_source, run.cfg, run.dtype, run.device) if run.text_source else None
-    )
-    try:
-        yield text_encoder
-    finally:
-        del text_encoder
-        run.vae = None
-        if run.device.type == "cuda":
-            torch.cuda.empty_cache()
 
 
 def _open_folder(run: _Run, text_encoder: Any, mode: str) -> lc.LatentCacheWriter:
@@ -532,6 +516,28 @@ def _open_folder(run: _Run, text_encoder: Any, mode: str) -> lc.LatentCacheWrite
             writer.write_null_text({k: v.cpu() for k, v in _text_row(text_encoder.empty_embedding()).items()})
     run.runtime.barrier()
     return writer
+
+
+@contextlib.contextmanager
+def _on_device(run: _Run, mode: str) -> Iterator[_Encoder]:
+    """The one context that holds the models on the device: loads the text encoder, prepares the
+    folder (step 3) and yields the encoder; on the way out, whatever happens, the VAE and the text
+    encoder are dropped and their device memory returned."""
+    cfg = run.cfg
+    text_encoder = (
+        _load_text_encoder(*run.text_source, cfg, run.dtype, run.device) if run.text_source else None
+    )
+    writer = _open_folder(run, text_encoder, mode)
+    encoder = _Encoder(
+        cfg=cfg, vae=run.vae, text_encoder=text_encoder, writer=writer, device=run.device, dtype=run.dtype,
+        seed=run.runtime.seed, rank=run.runtime.rank,
+    )  # fmt: skip
+    try:
+        yield encoder
+    finally:
+        encoder.vae = encoder.text_encoder = run.vae = text_encoder = None
+        if run.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def _pending_work(run: _Run, encoder: _Encoder) -> Work:
@@ -688,14 +694,8 @@ def run_encode(
         _dry_run(run, report)
         report.seconds = time.monotonic() - start
         return report
-    with _models(run) as text_encoder:
-        writer = _open_folder(run, text_encoder, mode)
-        encoder = _Encoder(
-            cfg=run.cfg, vae=run.vae, text_encoder=text_encoder, writer=writer, device=run.device, dtype=run.dtype,
-            seed=runtime.seed, rank=runtime.rank,
-        )  # fmt: skip
+    with _on_device(run, mode) as encoder:
         stats = _encode_all(run, encoder, _pending_work(run, encoder), limit)
-        encoder.vae = encoder.text_encoder = None
     _summarise(run, encoder, stats, report)
     report.seconds = time.monotonic() - start
     _check_failures(report, limit, runtime.is_main)
