@@ -532,3 +532,32 @@ def test_decode_workers_die_with_a_killed_parent(tmp_path: Path) -> None:
         for w in workers:
             if _alive(w):
                 os.kill(w, signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal and /proc are Linux")
+def test_kill_9_of_encode_latents_leaves_no_decode_worker(corpus: Path, tmp_path: Path) -> None:
+    """The whole command: kill -9 of encode-latents while its 2 decode workers run; they are gone
+    within seconds."""
+    ann, out = _many_clips(corpus, tmp_path, 4), tmp_path / "cache"
+    proc = subprocess.Popen(
+        _cli(*_cli_args(ann, out, workers=2)), env=_env(PFCTL_TEST_SLEEP_PER_CLIP="1.0"),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers := _children(proc.pid)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert len(workers) == 2, "the decode workers did not start"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 3
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [w for w in workers if _alive(w)]
+    finally:
+        proc.kill()
+        for w in workers:
+            if _alive(w):
+                os.kill(w, signal.SIGKILL)
