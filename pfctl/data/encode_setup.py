@@ -89,7 +89,7 @@ def dit_patch(folder: Path) -> int:
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     if config.get("_class_name") == "PyramidFluxTransformer":
         return PATCH
-    return int(config.get("patch_size", 1))
+    return int(config.get("patch_size", 2))  # the MMDiT class default
 
 
 def model_dit_folder(config: RecipeConfig) -> Path | None:
