@@ -46,8 +46,10 @@ def with_model(config: RecipeConfig) -> tuple[RecipeConfig, dict[str, Any] | Non
     m = config.model
     if m.path is None and m.vae is None:
         need = ("vae", "text") if config.encode.text and not config.encode.text_encoder else ("vae",)
-        root, _, _ = embedded.resolve_embedded(need)
-        config = config.model_copy(update={"model": m.model_copy(update={"path": str(root)})})
+        root, variant, _ = embedded.resolve_embedded(need)
+        config = config.model_copy(
+            update={"model": m.model_copy(update={"path": str(root), "variant": variant})}
+        )
         return config, embedded.read_manifest(root)
     if embedded.is_embedded_root(m.path):
         return config, embedded.read_manifest(m.path)
