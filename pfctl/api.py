@@ -81,3 +81,19 @@ def verify_groupnorm(config: RecipeConfig, **options: Any) -> Any:
     from pfctl.verify import verify_groupnorm as _verify_groupnorm
 
     return _verify_groupnorm(config, **options)
+
+
+def export(
+    source: str,
+    output_dir: str,
+    *,
+    variant: str | None = None,
+    ema: bool = True,
+    base: str | None = None,
+    dtype: str | None = None,
+) -> Any:
+    """A pfctl export, checkpoint or LoRA export → an official Pyramid Flow folder
+    (:class:`pfctl.training.export.OfficialExportReport`; see :func:`pfctl.training.export.export_official`)."""
+    from pfctl.training.export import export_official
+
+    return export_official(source, output_dir, variant=variant, ema=ema, base=base, dtype=dtype)

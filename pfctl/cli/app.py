@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from pfctl import __version__
-from pfctl.cli import demo, encode_latents, generate, merge_lora, train, verify_groupnorm
+from pfctl.cli import demo, encode_latents, export, generate, merge_lora, train, verify_groupnorm
 from pfctl.cli._common import STATE
 
 app = typer.Typer(
@@ -47,6 +47,7 @@ for module, name in (
     (generate, "generate"),
     (verify_groupnorm, "verify-groupnorm"),
     (merge_lora, "merge-lora"),
+    (export, "export"),
     (demo, "demo"),
 ):
     app.command(name, help=module.HELP, epilog=getattr(module, "EPILOG", None))(

@@ -465,19 +465,24 @@ class MergeReport:
     adapters: list[dict[str, Any]] = field(default_factory=list)
 
 
-def merge_lora_into_export(
+@dataclass
+class MergedDit:
+    """A base DiT with adapters folded in, and where it came from (see :func:`merge_adapters`)."""
+
+    dit: nn.Module
+    base: Path  # the model folder the adapters were merged into
+    aux: str | None  # the folder holding the base's VAE and text encoders
+    extra: dict[str, Any]  # provenance for the export marker: variant, merged_loras, merged_from
+
+
+def merge_adapters(
     model: str | os.PathLike[str],
     loras: Sequence[tuple[str | os.PathLike[str], float]],
-    out_dir: str | os.PathLike[str],
     *,
     variant: str = "diffusion_transformer_384p",
-) -> MergeReport:
-    """``pfctl merge-lora``: base model + adapters (each at its scale) → a full pfctl export.
-
-    The merged DiT is written as an export whose ``base_model_path`` points where the base's VAE
-    and text encoders are, so ``pfctl generate --model OUT`` works like with the base.
-    """
-    from pfctl.models.checkpoint import VAE_SUBFOLDER, load_components, save_export
+) -> MergedDit:
+    """Load the base DiT of ``model`` in fp32 and fold each adapter in at its scale."""
+    from pfctl.models.checkpoint import VAE_SUBFOLDER, load_components
 
     if not loras:
         raise ConfigError("merge-lora needs at least one --lora PATH")
@@ -497,7 +502,7 @@ def merge_lora_into_export(
     extra = dict(((info.get("export") or {}).get("extra")) or {})
     if info.get("layout") == "official":
         extra.setdefault("variant", variant)
-    record = [
+    extra["merged_loras"] = [
         {
             "path": str(a.path.resolve()),
             "scale": a.scale,
@@ -506,10 +511,27 @@ def merge_lora_into_export(
         }
         for a in adapters
     ]
-    extra["merged_loras"] = record
     extra["merged_from"] = str(root)
-    out = save_export(out_dir, dit, base_model_path=aux, extra=extra)
-    return MergeReport(output_dir=out, base=str(root), adapters=record)
+    return MergedDit(dit, root, None if aux is None else str(aux), extra)
+
+
+def merge_lora_into_export(
+    model: str | os.PathLike[str],
+    loras: Sequence[tuple[str | os.PathLike[str], float]],
+    out_dir: str | os.PathLike[str],
+    *,
+    variant: str = "diffusion_transformer_384p",
+) -> MergeReport:
+    """``pfctl merge-lora``: base model + adapters (each at its scale) → a full pfctl export.
+
+    The merged DiT is written as an export whose ``base_model_path`` points where the base's VAE
+    and text encoders are, so ``pfctl generate --model OUT`` works like with the base.
+    """
+    from pfctl.models.checkpoint import save_export
+
+    merged = merge_adapters(model, loras, variant=variant)
+    out = save_export(out_dir, merged.dit, base_model_path=merged.aux, extra=merged.extra)
+    return MergeReport(output_dir=out, base=str(merged.base), adapters=merged.extra["merged_loras"])
 
 
 def _check_base(adapters: Sequence[LoadedLora], info: Mapping[str, Any]) -> None:
