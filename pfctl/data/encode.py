@@ -19,8 +19,9 @@ Read :func:`run_encode` top to bottom; each step is one function:
 A bad input never stops the run: it becomes a failure row with a reason (see
 :data:`pfctl.data.video.REASONS`). Only too many failures (``max_failures``) make it exit 1.
 
-Test hook: ``PFCTL_TEST_SLEEP_PER_CLIP=<seconds>`` sleeps after each written clip, so a test can
-kill a real run half way and check that the rerun only encodes what is missing.
+Test hook: the fault point ``encode_written`` (``PFCTL_FAULT="encode_written:action=sleep:seconds=1"``,
+:mod:`pfctl.runtime.faults`) slows each written clip down, so a test can kill a real run half way and
+check that the rerun only encodes what is missing.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import shutil
 import time
 from collections import Counter
@@ -68,7 +68,6 @@ if TYPE_CHECKING:
     from pfctl.runtime.accelerator import Runtime
 
 STORAGE_DTYPE = torch.bfloat16
-_SLEEP_ENV = "PFCTL_TEST_SLEEP_PER_CLIP"
 
 
 # ----------------------------------------------------------------------------------------- report
@@ -301,9 +300,7 @@ class _Encoder:
         }
         self.rows.append(self.writer.write(job.plan.clip_id, {**latents, **text}, metadata))
         self.encoded += 1
-        sleep = float(os.environ.get(_SLEEP_ENV, "0") or 0)
-        if sleep > 0:
-            time.sleep(sleep)
+        faults.fault("encode_written", clip=job.plan.clip_id)  # test hook: a slow run to kill
         return 0
 
     def handle(self, decoded: DecodedItem) -> int:

@@ -10,14 +10,16 @@ Grammar: entries separated by ``;``, each ``point[:key=value]...``::
     PFCTL_FAULT="write:path=ranks/rank-00002:error=enospc"  that atomic write fails: disk full
     PFCTL_FAULT="encode_nan:clip=videos/a"                   the clip's latents become NaN
     PFCTL_FAULT="train_step:rank=1:step=2:action=hang"       rank 1 stops answering (collective timeout)
+    PFCTL_FAULT="encode_written:action=sleep:seconds=1"      slow every written clip down (a kill lands mid-run)
 
 Keys: ``rank`` (default: every rank), ``after=N`` (let the first N matching calls pass),
 ``error`` (``raise`` default, ``enospc``, ``erofs``, ``eacces``), ``action`` (``raise`` default,
-``hang``, ``exit`` = ``os._exit(error code)``); every other key must equal the value the call
-site passes (``path`` matches as a substring of the posix path).
+``hang``, ``exit`` = ``os._exit(error code)``, ``sleep`` = wait ``seconds`` and go on); every other
+key must equal the value the call site passes (``path`` matches as a substring of the posix path).
 
 Points wired in pfctl: ``train_step`` (rank, step), ``train_nan`` (rank, step: the batch's
-latents become NaN), ``encode_nan`` (clip), ``write`` (path: ``pfctl.utils.io`` atomic writes).
+latents become NaN), ``encode_nan`` (clip), ``encode_written`` (clip: after a clip's file is written),
+``write`` (path: ``pfctl.utils.io`` atomic writes).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 
 ENV = "PFCTL_FAULT"
 _ERRORS = {"enospc": errno.ENOSPC, "erofs": errno.EROFS, "eacces": errno.EACCES}
-_CONTROL = ("rank", "after", "error", "action")
+_CONTROL = ("rank", "after", "error", "action", "seconds", "code")
 
 
 class InjectedFault(RuntimeError):
@@ -102,6 +104,9 @@ def fault(point: str, **context: object) -> None:
         if action == "hang":
             while True:
                 time.sleep(3600)
+        if action == "sleep":
+            time.sleep(float(armed.params.get("seconds", "1")))
+            continue
         if action == "exit":
             os._exit(int(armed.params.get("code", "1")))
         error = armed.params.get("error", "raise")

@@ -353,7 +353,7 @@ def _many_clips(corpus: Path, tmp_path: Path, copies: int) -> Path:
 def test_killed_run_resumes_without_reencoding(corpus: Path, tmp_path: Path) -> None:
     ann, out = _many_clips(corpus, tmp_path, 3), tmp_path / "cache"
     proc = subprocess.Popen(
-        _cli(*_cli_args(ann, out)), env=_env(PFCTL_TEST_SLEEP_PER_CLIP="1.0"),
+        _cli(*_cli_args(ann, out)), env=_env(PFCTL_FAULT="encode_written:action=sleep:seconds=1.0"),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     deadline = time.monotonic() + 120
@@ -541,7 +541,7 @@ def test_kill_9_of_encode_latents_leaves_no_decode_worker(corpus: Path, tmp_path
     within seconds."""
     ann, out = _many_clips(corpus, tmp_path, 4), tmp_path / "cache"
     proc = subprocess.Popen(
-        _cli(*_cli_args(ann, out, workers=2)), env=_env(PFCTL_TEST_SLEEP_PER_CLIP="1.0"),
+        _cli(*_cli_args(ann, out, workers=2)), env=_env(PFCTL_FAULT="encode_written:action=sleep:seconds=1.0"),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     workers: list[int] = []

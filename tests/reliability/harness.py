@@ -60,7 +60,6 @@ def child_env(**extra: str) -> dict[str, str]:
     for key in (
         "PFCTL_DEBUG",
         "PFCTL_FAULT",
-        "PFCTL_TEST_SLEEP_PER_CLIP",
         "RANK",
         "WORLD_SIZE",
         "LOCAL_RANK",
@@ -248,7 +247,7 @@ def encode_kill_scenario(work: Path, kills: int, seed: int) -> Outcome:
         attempts += 1
         sleep = rng.choice(["0", "0.05", "0.2"])
         target = rng.choice([0, 1, 1, 2, 3])
-        proc = start(pfctl(*encode_args(ann, out)), log, PFCTL_TEST_SLEEP_PER_CLIP=sleep)
+        proc = start(pfctl(*encode_args(ann, out)), log, PFCTL_FAULT=f"encode_written:action=sleep:seconds={sleep}")
         if target == 0:  # anywhere in start-up, model loading, header and folder preparation
             wait_until(proc, lambda: False, timeout=rng.uniform(0.5, 8.0))
         else:
