@@ -56,7 +56,7 @@ from pfctl.runtime import faults
 from pfctl.runtime import logging as pflog
 from pfctl.training import checkpoint as ckpt
 from pfctl.training.ema import EMA
-from pfctl.training.optim import build_lr_scheduler, build_optimizer
+from pfctl.training.optim import build_lr_scheduler, build_optimizer, restore_lr_scheduler
 from pfctl.training.plan import assignment
 from pfctl.utils.io import atomic_write_text
 
@@ -473,7 +473,13 @@ class Trainer:
                 state = FSDP.optim_state_dict_to_load(self.model, self.optimizer.optimizer, state)
             self.optimizer.load_state_dict(state)
         if loaded.scheduler_state is not None:
-            self.lr_scheduler.load_state_dict(loaded.scheduler_state)
+            lr = restore_lr_scheduler(self.lr_scheduler, loaded.scheduler_state, self.cfg)
+            was = loaded.train_state.get("max_steps", self.cfg.max_steps)
+            if was != self.cfg.max_steps:
+                pflog.log(
+                    f"LR schedule rescaled to max_steps {self.cfg.max_steps} (the checkpoint was written for "
+                    f"{was}): step {int(loaded.train_state['step']) + 1} uses lr {lr:.3g}"
+                )
         if self.ema is not None:
             if loaded.ema_state is None:
                 raise CheckpointError(f"{loaded.path} has no EMA weights but train.ema_decay is set")
@@ -612,6 +618,7 @@ class Trainer:
             step=self.step,
             train_state={
                 "tokens_seen": self.tokens_seen,
+                "max_steps": cfg.max_steps,  # a resume with another one rescales the LR schedule (and says so)
                 "world_size": rt.world_size,
                 "video_sync_group": cfg.video_sync_group,
                 "batch_size": cfg.batch_size,
