@@ -1,8 +1,9 @@
 """``train:`` section — options of ``pfctl train``.
 
-Every option has its default here and only here. The cross-field rules that depend on the
-world size (``W % G``) live in :func:`check_train_constraints`, which the trainer and the
-dry-run call before any process group exists, so a bad layout fails the same way on every rank.
+Every option has its default here and only here. The cross-field rules live in
+:func:`check_train_constraints` (the sync-group layout, ``W % G`` and ``M % G``, through
+:func:`pfctl.runtime.sync_groups.plan_sync_groups`), which the trainer and the dry-run call before
+any process group exists, so a bad layout fails the same way on every rank.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pydantic import Field, field_validator
 
 from pfctl.config.base import Section
 from pfctl.errors import ConfigError
+from pfctl.runtime.sync_groups import SyncGroupPlan, plan_sync_groups
 
 DEFAULT_LORA_TARGETS: list[str] = [
     # double-stream blocks: attention (image and text sides) and both feed-forwards
@@ -216,8 +218,9 @@ def columns_to_stages(sample_ratios: list[int]) -> list[int]:
     return [stage for stage, n in enumerate(sample_ratios) for _ in range(n)]
 
 
-def check_train_constraints(train: TrainConfig, world_size: int) -> None:
-    """The layout rules of sync-group training, with the numbers in the message.
+def check_train_constraints(train: TrainConfig, world_size: int) -> SyncGroupPlan:
+    """The layout rules of sync-group training, with the numbers in the message; returns the run's
+    sync-group plan.
 
     Checked before any process group exists (and by ``--dry-run`` for a simulated world
     size), so a violation ends every rank with exit code 2 instead of a hang or an assert.
@@ -235,19 +238,9 @@ def check_train_constraints(train: TrainConfig, world_size: int) -> None:
             f"(sample_ratios {ratios})",
             hint=f"use a multiple of {columns}, e.g. --set train.batch_size={columns * max(1, train.batch_size // columns)}",
         )
-    g = train.video_sync_group
-    if world_size % g != 0:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ConfigError(
-            f"world size {world_size} is not divisible by train.video_sync_group {g}",
-            hint=f"choose train.video_sync_group from {divisors}, or launch a multiple of {g} processes",
-        )
-    if train.use_temporal_pyramid and train.max_units % g != 0:
-        divisors = [d for d in range(1, train.max_units + 1) if train.max_units % d == 0]
-        raise ConfigError(
-            f"train.max_units {train.max_units} is not divisible by train.video_sync_group {g}",
-            hint=f"a group covers the units 1..M in M/G micro-steps; choose G from {divisors}",
-        )
+    layout = plan_sync_groups(
+        world_size, train.video_sync_group, train.max_units if train.use_temporal_pyramid else None
+    )
     if train.base_dtype == "bf16" and not train.lora.enabled:
         raise ConfigError(
             "train.base_dtype=bf16 needs train.lora.enabled=true: only a LoRA run has frozen base weights "
@@ -287,3 +280,4 @@ def check_train_constraints(train: TrainConfig, world_size: int) -> None:
         raise ConfigError(
             "train.eval_every is set but train.heldout_clips is 0", hint="set train.heldout_clips=N (N > 0)"
         )
+    return layout

@@ -566,8 +566,9 @@ class Trainer:
         choice = BatchChoice(step=batch.step, epoch=batch.epoch, bucket=batch.bucket, ids=batch.ids)
         resolved = ResolvedBatch(choice, batch.ids, batch.replaced, batch.dropped)
         record = assignment(
-            self.cfg, resolved, step=self.step + 1, micro_step=self.micro_step, rank=self.runtime.rank
-        )
+            self.cfg, resolved, step=self.step + 1, micro_step=self.micro_step, rank=self.runtime.rank,
+            group=self.runtime.sync.index,
+        )  # fmt: skip
         record["units"] = list(inputs.units_per_stage) if inputs.units_per_stage is not None else None
         record["tokens"] = sum(
             clip.shape[0] * clip.shape[2] * (clip.shape[3] // 2) * (clip.shape[4] // 2)
