@@ -155,32 +155,28 @@ class TrainConfig(Section):
     fsdp_cpu_offload: bool = False
     attention: Literal["auto", "efficient", "cudnn"] = "efficient"
     """The kernel of the DiT's masked attention: ``efficient`` (default) the memory-efficient one;
-    ``cudnn`` cuDNN's, which plans per shape (the pyramid's shapes change every step: 3.2x slower
-    steps measured on an H200 in the whole trainer, eager) though its kernel alone is 2.6x faster, and
-    each call costs the host more; with ``cuda_graphs`` both costs are paid once per shape, and it is the
-    fastest (0.131 vs 0.176 s per DiT step with the efficient kernel, H200);
-    ``auto`` PyTorch's choice (cuDNN on H100/H200). Same loss within bf16 rounding; no effect on the CPU."""
+    ``cudnn`` cuDNN's, which builds a plan per shape: the pyramid's shapes change every step, so in
+    eager training the planning and the host cost per call outweigh its faster kernel; with
+    ``cuda_graphs`` both costs are paid once per shape and it is the fastest choice; ``auto`` PyTorch's
+    choice (cuDNN on recent GPUs). Same loss within bf16 rounding; no effect on the CPU. Measured
+    step times: ``benchmarks/RESULTS.md``."""
     skip_future_keys: bool = False
     """Cut the text padding and attend the query rows of long columns (6,144+ tokens) in groups of whole
     frames (512+ rows; a frame that large alone), each against the keys up to its last frame only, forward
     and backward; a single frame's rows attend with no mask. Same loss up to float rounding. Off by
-    default: measured on an H200 at 384p, grouped training steps were slower (compiled 0.269 vs 0.198 s:
-    the graph breaks cost more host time than the kernels save), and 384p columns are now too short to be
-    grouped at all."""
+    default: the graph breaks cost host time, so it pays only for long columns (768p and longer clips);
+    384p columns are too short to be grouped at all."""
     compile: bool = False
     """``torch.compile`` each DiT block (dynamic shapes, CUDA only; ignored on the CPU): fuses the
     norms, RoPE, modulation and residuals around the matmuls, forward and backward; the first step pays
-    the compilation (~70-110 s). Weights and checkpoint keys are unchanged. On an H200 the miniFLUX DiT
-    step on the reference's inputs goes from 0.235 to 0.172-0.186 s (1.8-2.2x the reference's); the whole
-    trainer with it is not yet measured on a GPU (on the CPU its blocks trace once per block type across
-    changing layouts: benchmarks/RESULTS.md)."""
+    the compilation (a minute or two). Weights and checkpoint keys are unchanged. Use it for long runs
+    on a GPU, where the compilation is paid back."""
     cuda_graphs: bool = False
     """With ``compile``: each compiled block's forward and backward is also recorded as a CUDA graph, once
     per token count, and replayed (``torch.compile`` mode ``reduce-overhead``), so the host no longer sets
     the step's pace. Best with few distinct shapes (each new one is recorded once, and its graphs keep
-    their memory). On an H200, with ``attention=cudnn``: 0.132 s per DiT step on the reference's inputs,
-    2.6-3.0x the reference's (benchmarks/RESULTS.md). Held-out losses and validation samples run the
-    blocks eagerly. Not with gradient checkpointing or FSDP."""
+    their memory), and with ``attention=cudnn``. Held-out losses and validation samples run the blocks
+    eagerly. Not with gradient checkpointing or FSDP."""
 
     # --- checkpoints ----------------------------------------------------------------------------
     checkpoint_every: int = Field(default=1000, ge=1)
