@@ -288,7 +288,7 @@ def meta_dit(config: Any) -> nn.Module:
     from accelerate import init_empty_weights
 
     from pfctl.models.checkpoint import EXPORT_MARKER, build_dit_from_config, read_export_marker
-    from pfctl.training.trainer import dit_overrides
+    from pfctl.training.build import dit_overrides
 
     m = config.model
     with init_empty_weights(include_buffers=True):

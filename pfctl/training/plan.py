@@ -17,8 +17,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pfctl.config.train import TrainConfig, check_train_constraints, columns_to_stages
-from pfctl.data.dataset import ClipInfo, ResolvedBatch, SyncGroupSampler, resolve_batch
-from pfctl.flow.pyramid import history_layout, sample_stage_length
+from pfctl.data.dataset import (
+    BatchChoice,
+    ClipInfo,
+    ResolvedBatch,
+    SyncGroupSampler,
+    TrainBatch,
+    resolve_batch,
+)
+from pfctl.flow.pyramid import PyramidBatch, history_layout, sample_stage_length
 from pfctl.runtime.sync_groups import SyncGroupPlan
 
 PATCH = 2
@@ -80,6 +87,30 @@ def assignment(
         "units": None if units is None else list(units),
         "tokens": tokens,
     }
+
+
+def measured_assignment(
+    train: TrainConfig,
+    batch: TrainBatch,
+    inputs: PyramidBatch,
+    *,
+    step: int,
+    micro_step: int,
+    rank: int,
+    group: int,
+) -> dict[str, Any]:
+    """The run's record of one forward: :func:`assignment` of its batch, with the units and tokens
+    measured from the DiT inputs it really built."""
+    choice = BatchChoice(step=batch.step, epoch=batch.epoch, bucket=batch.bucket, ids=batch.ids)
+    resolved = ResolvedBatch(choice, batch.ids, batch.replaced, batch.dropped)
+    record = assignment(train, resolved, step=step, micro_step=micro_step, rank=rank, group=group)
+    record["units"] = list(inputs.units_per_stage) if inputs.units_per_stage is not None else None
+    record["tokens"] = sum(
+        clip.shape[0] * clip.shape[2] * (clip.shape[3] // PATCH) * (clip.shape[4] // PATCH)
+        for column in inputs.sample
+        for clip in column
+    )
+    return record
 
 
 # ------------------------------------------------------------------------------------------
@@ -185,7 +216,7 @@ def dry_run(config: Any, *, world_size: int | None = None, steps: int | None = N
     exactly as it will in the run.
     """
     from pfctl.runtime.accelerator import world_size_from_env
-    from pfctl.training.trainer import cache_clips, cache_normalizer, cache_path, open_cache, split_heldout
+    from pfctl.training.data import cache_clips, cache_normalizer, cache_path, open_cache, split_heldout
 
     train = config.train
     world = world_size or world_size_from_env()
@@ -227,8 +258,8 @@ def estimate_for_run(config: Any, cache: Any, clips: list[ClipInfo]) -> Any:
     """
     from pfctl.models.lora import resolve_targets
     from pfctl.runtime.accelerator import resolve_mixed_precision
+    from pfctl.training.build import check_lora_runtime
     from pfctl.training.memory import Workload, estimate_memory, meta_dit
-    from pfctl.training.trainer import check_lora_runtime
 
     train, runtime = config.train, config.runtime
     device = "cpu" if runtime.device == "cpu" else "cuda"
