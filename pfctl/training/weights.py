@@ -21,7 +21,6 @@ class FullWeights:
     """Full fine-tuning (or training from scratch): fp32 master weights, every parameter trains."""
 
     is_lora = False
-    kind = "full DiT weights"
 
     def __init__(
         self, config: Any, *, model_name: str, base_model_path: str | None, model_info: dict
@@ -84,7 +83,6 @@ class LoraWeights(FullWeights):
     base stored in ``train.base_dtype``; checkpoints and exports hold the adapters only."""
 
     is_lora = True
-    kind = "a LoRA adapter"
 
     def __init__(self, config: Any, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
