@@ -1,4 +1,5 @@
-"""Building what the trainer trains: the DiT (from a preset or a model folder) and the FSDP plugin.
+"""Building what the trainer trains: the DiT (from a preset or a model folder), the FSDP plugin and the
+sharding-aware optimizer state.
 
 The trainer's setup goes model build (:func:`build_model`) → trained weights (full or LoRA:
 :mod:`pfctl.training.weights`) → resume weights → speed layer (activation checkpointing, compile,
@@ -103,6 +104,27 @@ def build_fsdp_plugin(cfg: TrainConfig, model_name: str) -> Any:
         use_orig_params=True,
         sync_module_states=True,
     )
+
+
+def optimizer_state(model: torch.nn.Module, optimizer: Any, *, sharded: bool) -> dict[str, Any]:
+    """The full optimizer state a checkpoint holds (``sharded``, under FSDP: gathered by name on the
+    main process; collective)."""
+    if sharded:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        return FSDP.optim_state_dict(model, optimizer.optimizer)
+    return optimizer.state_dict()
+
+
+def load_optimizer_state(
+    model: torch.nn.Module, optimizer: Any, state: dict[str, Any], *, sharded: bool
+) -> None:
+    """Load a checkpoint's full optimizer state (``sharded``: the name-keyed state → this rank's shards)."""
+    if sharded:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        state = FSDP.optim_state_dict_to_load(model, optimizer.optimizer, state)
+    optimizer.load_state_dict(state)
 
 
 def check_lora_runtime(cfg: TrainConfig, mixed_precision: str) -> None:

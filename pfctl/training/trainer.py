@@ -46,7 +46,7 @@ from pfctl.flow.scheduler import PyramidFlowScheduler
 from pfctl.runtime import faults
 from pfctl.runtime import logging as pflog
 from pfctl.training import checkpoint as ckpt
-from pfctl.training.build import build_fsdp_plugin, build_model
+from pfctl.training.build import build_fsdp_plugin, build_model, load_optimizer_state, optimizer_state
 from pfctl.training.data import (
     TEXT_KEYS,
     BatchFeed,
@@ -430,12 +430,9 @@ class Trainer:
             self.logs.trim(0)
             return None
         if loaded.optimizer_state is not None:
-            state = loaded.optimizer_state
-            if self.cfg.fsdp != "none":  # name-keyed full state → this rank's shards
-                from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-                state = FSDP.optim_state_dict_to_load(self.model, self.optimizer.optimizer, state)
-            self.optimizer.load_state_dict(state)
+            load_optimizer_state(
+                self.model, self.optimizer, loaded.optimizer_state, sharded=self.cfg.fsdp != "none"
+            )
         if loaded.scheduler_state is not None:
             self.restore_schedule(loaded)
         if self.ema is not None:
@@ -518,7 +515,7 @@ class Trainer:
             model=self.unwrapped,
             model_state=model_state,
             ema_state=self.ema.state_dict() if self.ema is not None else None,
-            optimizer_state=self.optimizer_state(),
+            optimizer_state=optimizer_state(self.model, self.optimizer, sharded=cfg.fsdp != "none"),
             scheduler_state=self.lr_scheduler.state_dict(),
             adapter_config=self.weights.adapter_config(),
         )
@@ -528,14 +525,6 @@ class Trainer:
         )  # fmt: skip
         self.saved.append(str(path))
         pflog.log(f"saved checkpoint {path}")
-
-    def optimizer_state(self) -> dict[str, Any]:
-        """The full optimizer state (under FSDP: gathered by name on the main process)."""
-        if self.cfg.fsdp != "none":
-            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-            return FSDP.optim_state_dict(self.model, self.optimizer.optimizer)
-        return self.optimizer.state_dict()
 
     def export(self) -> Path:
         """``output_dir/export`` (main process): a model folder ``pfctl generate --model`` loads, or for a
