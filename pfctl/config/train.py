@@ -1,8 +1,9 @@
 """``train:`` section — options of ``pfctl train``.
 
-Every option has its default here and only here. The cross-field rules that depend on the
-world size (``W % G``) live in :func:`check_train_constraints`, which the trainer and the
-dry-run call before any process group exists, so a bad layout fails the same way on every rank.
+Every option has its default here and only here. The cross-field rules live in
+:func:`check_train_constraints` (the sync-group layout, ``W % G`` and ``M % G``, through
+:func:`pfctl.runtime.sync_groups.plan_sync_groups`), which the trainer and the dry-run call before
+any process group exists, so a bad layout fails the same way on every rank.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pydantic import Field, field_validator
 
 from pfctl.config.base import Section
 from pfctl.errors import ConfigError
+from pfctl.runtime.sync_groups import SyncGroupPlan, plan_sync_groups
 
 DEFAULT_LORA_TARGETS: list[str] = [
     # double-stream blocks: attention (image and text sides) and both feed-forwards
@@ -153,32 +155,28 @@ class TrainConfig(Section):
     fsdp_cpu_offload: bool = False
     attention: Literal["auto", "efficient", "cudnn"] = "efficient"
     """The kernel of the DiT's masked attention: ``efficient`` (default) the memory-efficient one;
-    ``cudnn`` cuDNN's, which plans per shape (the pyramid's shapes change every step: 3.2x slower
-    steps measured on an H200 in the whole trainer, eager) though its kernel alone is 2.6x faster, and
-    each call costs the host more; with ``cuda_graphs`` both costs are paid once per shape, and it is the
-    fastest (0.131 vs 0.176 s per DiT step with the efficient kernel, H200);
-    ``auto`` PyTorch's choice (cuDNN on H100/H200). Same loss within bf16 rounding; no effect on the CPU."""
+    ``cudnn`` cuDNN's, which builds a plan per shape: the pyramid's shapes change every step, so in
+    eager training the planning and the host cost per call outweigh its faster kernel; with
+    ``cuda_graphs`` both costs are paid once per shape and it is the fastest choice; ``auto`` PyTorch's
+    choice (cuDNN on recent GPUs). Same loss within bf16 rounding; no effect on the CPU. Measured
+    step times: ``benchmarks/RESULTS.md``."""
     skip_future_keys: bool = False
     """Cut the text padding and attend the query rows of long columns (6,144+ tokens) in groups of whole
     frames (512+ rows; a frame that large alone), each against the keys up to its last frame only, forward
     and backward; a single frame's rows attend with no mask. Same loss up to float rounding. Off by
-    default: measured on an H200 at 384p, grouped training steps were slower (compiled 0.269 vs 0.198 s:
-    the graph breaks cost more host time than the kernels save), and 384p columns are now too short to be
-    grouped at all."""
+    default: the graph breaks cost host time, so it pays only for long columns (768p and longer clips);
+    384p columns are too short to be grouped at all."""
     compile: bool = False
     """``torch.compile`` each DiT block (dynamic shapes, CUDA only; ignored on the CPU): fuses the
     norms, RoPE, modulation and residuals around the matmuls, forward and backward; the first step pays
-    the compilation (~70-110 s). Weights and checkpoint keys are unchanged. On an H200 the miniFLUX DiT
-    step on the reference's inputs goes from 0.235 to 0.172-0.186 s (1.8-2.2x the reference's); the whole
-    trainer with it is not yet measured on a GPU (on the CPU its blocks trace once per block type across
-    changing layouts: benchmarks/RESULTS.md)."""
+    the compilation (a minute or two). Weights and checkpoint keys are unchanged. Use it for long runs
+    on a GPU, where the compilation is paid back."""
     cuda_graphs: bool = False
     """With ``compile``: each compiled block's forward and backward is also recorded as a CUDA graph, once
     per token count, and replayed (``torch.compile`` mode ``reduce-overhead``), so the host no longer sets
     the step's pace. Best with few distinct shapes (each new one is recorded once, and its graphs keep
-    their memory). On an H200, with ``attention=cudnn``: 0.132 s per DiT step on the reference's inputs,
-    2.6-3.0x the reference's (benchmarks/RESULTS.md). Held-out losses and validation samples run the
-    blocks eagerly. Not with gradient checkpointing or FSDP."""
+    their memory), and with ``attention=cudnn``. Held-out losses and validation samples run the blocks
+    eagerly. Not with gradient checkpointing or FSDP."""
 
     # --- checkpoints ----------------------------------------------------------------------------
     checkpoint_every: int = Field(default=1000, ge=1)
@@ -216,8 +214,9 @@ def columns_to_stages(sample_ratios: list[int]) -> list[int]:
     return [stage for stage, n in enumerate(sample_ratios) for _ in range(n)]
 
 
-def check_train_constraints(train: TrainConfig, world_size: int) -> None:
-    """The layout rules of sync-group training, with the numbers in the message.
+def check_train_constraints(train: TrainConfig, world_size: int) -> SyncGroupPlan:
+    """The layout rules of sync-group training, with the numbers in the message; returns the run's
+    sync-group plan.
 
     Checked before any process group exists (and by ``--dry-run`` for a simulated world
     size), so a violation ends every rank with exit code 2 instead of a hang or an assert.
@@ -235,19 +234,9 @@ def check_train_constraints(train: TrainConfig, world_size: int) -> None:
             f"(sample_ratios {ratios})",
             hint=f"use a multiple of {columns}, e.g. --set train.batch_size={columns * max(1, train.batch_size // columns)}",
         )
-    g = train.video_sync_group
-    if world_size % g != 0:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ConfigError(
-            f"world size {world_size} is not divisible by train.video_sync_group {g}",
-            hint=f"choose train.video_sync_group from {divisors}, or launch a multiple of {g} processes",
-        )
-    if train.use_temporal_pyramid and train.max_units % g != 0:
-        divisors = [d for d in range(1, train.max_units + 1) if train.max_units % d == 0]
-        raise ConfigError(
-            f"train.max_units {train.max_units} is not divisible by train.video_sync_group {g}",
-            hint=f"a group covers the units 1..M in M/G micro-steps; choose G from {divisors}",
-        )
+    layout = plan_sync_groups(
+        world_size, train.video_sync_group, train.max_units if train.use_temporal_pyramid else None
+    )
     if train.base_dtype == "bf16" and not train.lora.enabled:
         raise ConfigError(
             "train.base_dtype=bf16 needs train.lora.enabled=true: only a LoRA run has frozen base weights "
@@ -287,3 +276,4 @@ def check_train_constraints(train: TrainConfig, world_size: int) -> None:
         raise ConfigError(
             "train.eval_every is set but train.heldout_clips is 0", hint="set train.heldout_clips=N (N > 0)"
         )
+    return layout

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from pfctl.errors import ConfigError
 from pfctl.flow.scheduler import PyramidFlowScheduler
+from pfctl.runtime.sync_groups import plan_sync_groups
 
 __all__ = [
     "DEFAULT_SAMPLE_RATIOS",
@@ -183,33 +184,11 @@ class StageLengthPlan:
 
 
 def plan_stage_lengths(max_units: int, group_size: int) -> StageLengthPlan:
-    """Check M and G before training starts (the reference divides by zero when G > M and silently
-    never trains positions > G * (M // G) when G does not divide M)."""
-    if max_units < 1:
-        raise ConfigError(
-            f"max latent units per clip M={max_units} must be >= 1",
-            hint="set train.max_frames to at least 1 latent frame",
-        )
-    if group_size < 1:
-        raise ConfigError(
-            f"video sync group G={group_size} must be >= 1", hint="use 1 to disable sync groups"
-        )
-    if group_size > max_units:
-        raise ConfigError(
-            f"video sync group G={group_size} is larger than the max latent units per clip M={max_units}",
-            hint=f"choose G <= {max_units} with {max_units} % G == 0 (e.g. G={_largest_divisor_at_most(max_units, group_size)})",
-        )
-    if max_units % group_size:
-        raise ConfigError(
-            f"max latent units per clip M={max_units} is not a multiple of the video sync group G={group_size}",
-            hint=f"positions above {group_size * (max_units // group_size)} would never be trained; "
-            f"choose G dividing {max_units} (e.g. G={_largest_divisor_at_most(max_units, group_size)}) or change max_frames",
-        )
+    """The unit allocation of M units over sync groups of G ranks, validated before training starts by
+    the one layout rule (:func:`pfctl.runtime.sync_groups.plan_sync_groups`; M's rule does not depend
+    on the world size, so one group stands for any). Raises ``ConfigError``."""
+    plan_sync_groups(group_size, group_size, max_units)
     return StageLengthPlan(max_units=int(max_units), group_size=int(group_size))
-
-
-def _largest_divisor_at_most(m: int, g: int) -> int:
-    return max(d for d in range(1, min(m, g) + 1) if m % d == 0)
 
 
 def sample_stage_length(

@@ -164,8 +164,44 @@ def estimate_memory(
     lora = lora_targets is not None
     targets = set(lora_targets or ())
     est = MemoryEstimate()
+    _add_state_rows(est, model, targets if lora else None, lora_rank, base_dtype, optimizer, ema)
+    blocks = _blocks(model)
+    n_ckpt = num_checkpointed(len(blocks), checkpointing_ratio) if gradient_checkpointing else 0
+    _add_activation_rows(est, model, workload, blocks, n_ckpt, a, targets if lora else None, lora_rank)
 
-    # -- weights, gradients, optimizer, EMA ---------------------------------------------------------
+    # -- bf16 copies of fp32 weights made by autocast and kept for backward ------------------------
+    if a == 2 and not (lora and base_dtype == "bf16"):
+        kept_blocks = {name for name, _ in blocks[n_ckpt:]}
+        copied = sum(
+            m.weight.numel()
+            for n, m in model.named_modules()
+            if isinstance(m, nn.Linear)
+            and any(n.startswith(b + ".") for b in kept_blocks) and not n.endswith("norm.linear")
+            and not n.endswith(("norm1.linear", "norm1_context.linear"))
+        )  # fmt: skip
+        est.rows.append(
+            ("autocast weight copies", copied * 2, "bf16 casts of fp32 block weights kept for backward")
+        )
+
+    # -- backward: gradients are allocated as the saved tensors are released -----------------------
+    if grad_accum == 1:  # (with accumulation the previous micro-batches' gradients are already there)
+        saved = sum(b for n, b, _ in est.rows if n.startswith(("activations", "attention", "autocast")))
+        overlap = min(saved, est.get("gradients"))
+        est.rows.append(("backward overlap", -overlap, "gradients fill memory the saved tensors free"))
+    return est
+
+
+def _add_state_rows(
+    est: MemoryEstimate,
+    model: nn.Module,
+    targets: set[str] | None,
+    lora_rank: int,
+    base_dtype: str,
+    optimizer: str,
+    ema: bool,
+) -> None:
+    """Weights, gradients, optimizer state and EMA (``targets`` None: full fine-tuning)."""
+    lora = targets is not None
     frozen_bytes, frozen_n, trainable_n, opt_bytes = 0, 0, 0, 0
     base_size = 2 if (lora and base_dtype == "bf16") else FP32
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -177,7 +213,7 @@ def estimate_memory(
             trainable_n += param.numel()
             opt_bytes += optimizer_state_bytes(tuple(param.shape), optimizer)
     adapter_shapes = []
-    for name in targets:
+    for name in targets or ():
         lin = linears[name]
         adapter_shapes += [(lora_rank, lin.in_features), (lin.out_features, lora_rank)]
     for shape in adapter_shapes:
@@ -193,9 +229,20 @@ def estimate_memory(
     if ema:
         est.rows.append(("EMA", trainable_n * FP32, "fp32 copy of the trained params"))
 
-    # -- activations ----------------------------------------------------------------------------
-    blocks = _blocks(model)
-    n_ckpt = num_checkpointed(len(blocks), checkpointing_ratio) if gradient_checkpointing else 0
+
+def _add_activation_rows(
+    est: MemoryEstimate,
+    model: nn.Module,
+    workload: Workload,
+    blocks: list[tuple[str, str]],
+    n_ckpt: int,
+    a: int,
+    targets: set[str] | None,
+    lora_rank: int,
+) -> None:
+    """What autograd keeps per block (the first ``n_ckpt`` checkpointed), the head, the attention masks."""
+    lora = targets is not None
+    targets = targets or set()
     dim = _width(model)
     img, txt = workload.image_tokens, workload.text_tokens
     joint = img + txt
@@ -220,12 +267,10 @@ def estimate_memory(
             r_img = sum(f"{name}.{s}" in targets for s in DOUBLE_ADAPTED)
             r_txt = sum(f"{name}.{s}" in targets for s in DOUBLE_ADAPTED_TEXT)
             act += a * lora_rank * (r_img * img + r_txt * txt)
-            attn_calls = 1
         else:
             act = stream_bytes(SINGLE_STREAM, name) * joint
             act += a * lora_rank * sum(f"{name}.{s}" in targets for s in SINGLE_ADAPTED) * joint
-            attn_calls = 1
-        mask = attn_calls * sum(b * (workload.text_len + n) ** 2 for b, n in workload.columns) * a
+        mask = sum(b * (workload.text_len + n) ** 2 for b, n in workload.columns) * a  # one attention call
         per_block.append((act, mask))
         boundary.append(a * dim * joint)
     kept = sum(act for act, _ in per_block[n_ckpt:])
@@ -238,26 +283,6 @@ def estimate_memory(
         est.rows.append(("activations: checkpointed", int(ckpt_inputs + recompute), f"{n_ckpt} block inputs + one block recomputed"))  # fmt: skip
     est.rows.append(("activations: head", int(head), "embedders, final norm, output projection"))
     est.rows.append(("attention masks", int(masks), "additive SDPA bias per column and kept block"))
-
-    # -- bf16 copies of fp32 weights made by autocast and kept for backward ------------------------
-    if a == 2 and not (lora and base_dtype == "bf16"):
-        kept_blocks = {name for name, _ in blocks[n_ckpt:]}
-        copied = sum(
-            m.weight.numel()
-            for n, m in linears.items()
-            if any(n.startswith(b + ".") for b in kept_blocks) and not n.endswith("norm.linear")
-            and not n.endswith(("norm1.linear", "norm1_context.linear"))
-        )  # fmt: skip
-        est.rows.append(
-            ("autocast weight copies", copied * 2, "bf16 casts of fp32 block weights kept for backward")
-        )
-
-    # -- backward: gradients are allocated as the saved tensors are released -----------------------
-    if grad_accum == 1:  # (with accumulation the previous micro-batches' gradients are already there)
-        saved = sum(b for n, b, _ in est.rows if n.startswith(("activations", "attention", "autocast")))
-        overlap = min(saved, est.get("gradients"))
-        est.rows.append(("backward overlap", -overlap, "gradients fill memory the saved tensors free"))
-    return est
 
 
 def _blocks(model: nn.Module) -> list[tuple[str, str]]:
@@ -288,7 +313,7 @@ def meta_dit(config: Any) -> nn.Module:
     from accelerate import init_empty_weights
 
     from pfctl.models.checkpoint import EXPORT_MARKER, build_dit_from_config, read_export_marker
-    from pfctl.training.trainer import dit_overrides
+    from pfctl.training.build import dit_overrides
 
     m = config.model
     with init_empty_weights(include_buffers=True):

@@ -98,3 +98,24 @@ def build_lr_scheduler(
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """A ``LambdaLR`` whose factor is ``lr_at(step) / lr`` (every group has base LR ``cfg.lr``)."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)
+
+
+def restore_lr_scheduler(
+    scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict, cfg: TrainConfig
+) -> float:
+    """Continue a checkpoint's schedule on this run's configuration; returns the next step's LR.
+
+    The checkpoint gives the step count; the curve is this run's (:func:`lr_at` with this ``cfg``): a
+    resume with another ``max_steps`` (or LR settings) rescales the schedule from the next step on,
+    instead of keeping the LR the old schedule left in the optimizer for one step. With the same
+    settings every value is the one the uninterrupted run computes (same call, same numbers).
+    """
+    scheduler.load_state_dict(state)
+    scheduler.base_lrs = [cfg.lr] * len(scheduler.optimizer.param_groups)
+    lrs = [
+        base * fn(scheduler.last_epoch)
+        for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+    ]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    return lrs[0]

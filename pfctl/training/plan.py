@@ -16,10 +16,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pfctl.config.train import TrainConfig, columns_to_stages
+from pfctl.config.train import TrainConfig, check_train_constraints, columns_to_stages
 from pfctl.data.buckets import check_buckets, grid_multiple
-from pfctl.data.dataset import ClipInfo, ResolvedBatch, SyncGroupSampler, resolve_batch
-from pfctl.flow.pyramid import history_layout, sample_stage_length
+from pfctl.data.dataset import (
+    BatchChoice,
+    ClipInfo,
+    ResolvedBatch,
+    SyncGroupSampler,
+    TrainBatch,
+    resolve_batch,
+)
+from pfctl.flow.pyramid import PyramidBatch, history_layout, sample_stage_length
+from pfctl.runtime.sync_groups import SyncGroupPlan
 
 PATCH = 2
 NUM_STAGES = 3
@@ -51,9 +59,10 @@ def stage_units(train: TrainConfig, micro_step: int, rank: int, frames: int) -> 
 
 
 def assignment(
-    train: TrainConfig, batch: ResolvedBatch, *, step: int, micro_step: int, rank: int
+    train: TrainConfig, batch: ResolvedBatch, *, step: int, micro_step: int, rank: int, group: int
 ) -> dict[str, Any]:
-    """The record of what ``rank`` trains at ``micro_step`` (optimizer step ``step``, 1-based)."""
+    """The record of what ``rank`` (of sync group ``group``) trains at ``micro_step`` (optimizer step
+    ``step``, 1-based)."""
     frames, height, width = batch.choice.bucket
     stages = columns_to_stages(train.sample_ratios)
     k = len(stages)
@@ -69,7 +78,7 @@ def assignment(
         "step": step,
         "micro_step": micro_step,
         "rank": rank,
-        "group": rank // train.video_sync_group,
+        "group": group,
         "epoch": batch.choice.epoch,
         "bucket": list(batch.choice.bucket),
         "ids": list(batch.ids),
@@ -81,6 +90,30 @@ def assignment(
     }
 
 
+def measured_assignment(
+    train: TrainConfig,
+    batch: TrainBatch,
+    inputs: PyramidBatch,
+    *,
+    step: int,
+    micro_step: int,
+    rank: int,
+    group: int,
+) -> dict[str, Any]:
+    """The run's record of one forward: :func:`assignment` of its batch, with the units and tokens
+    measured from the DiT inputs it really built."""
+    choice = BatchChoice(step=batch.step, epoch=batch.epoch, bucket=batch.bucket, ids=batch.ids)
+    resolved = ResolvedBatch(choice, batch.ids, batch.replaced, batch.dropped)
+    record = assignment(train, resolved, step=step, micro_step=micro_step, rank=rank, group=group)
+    record["units"] = list(inputs.units_per_stage) if inputs.units_per_stage is not None else None
+    record["tokens"] = sum(
+        clip.shape[0] * clip.shape[2] * (clip.shape[3] // PATCH) * (clip.shape[4] // PATCH)
+        for column in inputs.sample
+        for clip in column
+    )
+    return record
+
+
 # ------------------------------------------------------------------------------------------
 # the dry-run
 # ------------------------------------------------------------------------------------------
@@ -90,8 +123,7 @@ def assignment(
 class PlanReport:
     """``rows``: one assignment per (micro-step, rank); ``group_tokens``: (step, group) → tokens."""
 
-    world_size: int
-    group_size: int
+    layout: SyncGroupPlan
     steps: int
     rows: list[dict[str, Any]]
     notes: list[str] = field(default_factory=list)
@@ -109,8 +141,8 @@ class PlanReport:
         """A plain-text table (one line per rank and micro-step), then totals per group."""
         head = f"{'step':>4} {'micro':>5} {'rank':>4} {'group':>5}  {'units(l,m,h)':<12} {'tokens':>7}  columns (stage: clip ids)"
         lines = [
-            f"dry run: world size {self.world_size}, video_sync_group {self.group_size}, "
-            f"{self.world_size // self.group_size} groups, first {self.steps} steps",
+            f"dry run: world size {self.layout.world_size}, video_sync_group {self.layout.group_size}, "
+            f"{self.layout.num_groups} groups, first {self.steps} steps",
             head,
             "-" * len(head),
         ]
@@ -150,14 +182,13 @@ def plan_run(
     Each group's sampler runs once (its ranks share it by construction); ``can_load(id)``
     probes the cache so that replacements of broken clips appear as in the real run.
     """
-    g = train.video_sync_group
-    num_groups = world_size // g
+    layout = check_train_constraints(train, world_size)
     pool = [c for c in clips if not heldout or c.id not in heldout]
     rows = []
-    for group in range(num_groups):
+    for group, ranks in enumerate(layout.groups):
         sampler = SyncGroupSampler(
             pool,
-            num_groups=num_groups,
+            num_groups=layout.num_groups,
             group_index=group,
             batch_size=train.batch_size,
             seed=seed,
@@ -170,10 +201,12 @@ def plan_run(
                 batch = resolve_batch(
                     sampler, micro_step, lambda ids: [can_load(i) for i in ids], train.caption_dropout
                 )
-                for rank in range(group * g, (group + 1) * g):
-                    rows.append(assignment(train, batch, step=step, micro_step=micro_step, rank=rank))
+                for rank in ranks:
+                    rows.append(
+                        assignment(train, batch, step=step, micro_step=micro_step, rank=rank, group=group)
+                    )
     rows.sort(key=lambda r: (r["micro_step"], r["rank"]))
-    return PlanReport(world_size=world_size, group_size=g, steps=steps, rows=rows)
+    return PlanReport(layout=layout, steps=steps, rows=rows)
 
 
 def dry_run(config: Any, *, world_size: int | None = None, steps: int | None = None) -> PlanReport:
@@ -183,17 +216,13 @@ def dry_run(config: Any, *, world_size: int | None = None, steps: int | None = N
     Every clip the plan touches is really read, so a broken file shows up as a replacement here
     exactly as it will in the run.
     """
-    from pfctl.config.train import check_train_constraints
-    from pfctl.flow.pyramid import plan_stage_lengths
     from pfctl.runtime.accelerator import world_size_from_env
+    from pfctl.training.data import cache_clips, cache_normalizer, cache_path, open_cache, split_heldout
     from pfctl.training.memory import meta_dit
-    from pfctl.training.trainer import cache_clips, cache_normalizer, cache_path, open_cache, split_heldout
 
     train = config.train
     world = world_size or world_size_from_env()
-    check_train_constraints(train, world)
-    if train.use_temporal_pyramid:
-        plan_stage_lengths(train.max_units, train.video_sync_group)
+    check_train_constraints(train, world)  # before the cache is read: a bad layout is a usage error
     notes = [check_model_spec(config)]
     cache = open_cache(cache_path(config))
     cache_normalizer(cache)  # the header's normalisation rule must be understood
@@ -232,8 +261,8 @@ def estimate_for_run(config: Any, cache: Any, clips: list[ClipInfo]) -> Any:
     """
     from pfctl.models.lora import resolve_targets
     from pfctl.runtime.accelerator import resolve_mixed_precision
+    from pfctl.training.build import check_lora_runtime
     from pfctl.training.memory import Workload, estimate_memory, meta_dit
-    from pfctl.training.trainer import check_lora_runtime
 
     train, runtime = config.train, config.runtime
     device = "cpu" if runtime.device == "cpu" else "cuda"

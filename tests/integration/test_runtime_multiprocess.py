@@ -72,5 +72,5 @@ def test_bad_group_size_rejected_on_every_rank_without_hang(tmp_path: Path) -> N
     outputs = [p.communicate(timeout=90) for p in procs]
     assert [p.returncode for p in procs] == [2, 2, 2, 2]
     for stdout, _ in outputs:
-        assert "rejected: world size 4 is not divisible by video_sync_group 3" in stdout
+        assert "rejected: world size 4 is not divisible by train.video_sync_group 3" in stdout
     assert time.monotonic() - start < 60

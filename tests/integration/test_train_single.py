@@ -106,6 +106,26 @@ def test_resume_is_bit_exact(cache: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_resume_with_other_max_steps_rescales_the_schedule(
+    cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A resume with a longer ``max_steps`` follows the new schedule from its first step (no step of the
+    old one), and says so."""
+    from pfctl.training.optim import lr_at
+
+    opts = dict(lr_schedule="cosine", lr=1e-3, min_lr=5e-5, warmup_steps=1, checkpoint_every=3)
+    api.train(config(cache, tmp_path, max_steps=3, **opts))
+    capsys.readouterr()
+    longer = config(cache, tmp_path, max_steps=6, resume="latest", **opts)
+    api.train(longer)
+    rows = [r for r in metrics(tmp_path) if "loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    for row in rows[3:]:  # the log's LR is the one the step used
+        assert row["lr"] == pytest.approx(lr_at(row["step"] - 1, longer.train), rel=1e-12), row["step"]
+    assert "LR schedule rescaled to max_steps 6 (the checkpoint was written for 3)" in capsys.readouterr().out
+
+
+@pytest.mark.slow
 def test_ema_follows_the_direct_computation(cache: Path, tmp_path: Path) -> None:
     from pfctl.training.trainer import Trainer
 

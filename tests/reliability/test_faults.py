@@ -83,7 +83,7 @@ def test_errors_become_one_line_and_an_exit_code(
 
 
 def test_torn_log_line_is_dropped_on_resume() -> None:
-    from pfctl.training.trainer import _log_step
+    from pfctl.training.logs import log_step as _log_step
 
     lines = [json.dumps({"step": 1}), json.dumps({"step": 2}), '{"step": 3, "lo']
     assert [ln for ln in lines if _log_step(ln) <= 2] == lines[:2]

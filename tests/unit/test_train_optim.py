@@ -9,7 +9,13 @@ import torch
 
 from pfctl.config.train import TrainConfig
 from pfctl.training.ema import EMA
-from pfctl.training.optim import build_lr_scheduler, build_optimizer, lr_at, param_groups
+from pfctl.training.optim import (
+    build_lr_scheduler,
+    build_optimizer,
+    lr_at,
+    param_groups,
+    restore_lr_scheduler,
+)
 
 
 class Net(torch.nn.Module):
@@ -74,3 +80,32 @@ def test_ema_matches_a_direct_computation() -> None:
     assert not math.isclose(
         float(ema.state_dict()["proj.weight"].sum()), float(net.proj.weight.detach().sum())
     )
+
+
+def _scheduler_after(cfg: TrainConfig, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    opt = build_optimizer(torch.nn.Linear(2, 2), cfg)
+    sched = build_lr_scheduler(opt, cfg)
+    for _ in range(steps):
+        opt.step()
+        sched.step()
+    return sched
+
+
+@pytest.mark.parametrize(
+    "changes", [{}, {"max_steps": 9}, {"max_steps": 4}, {"lr": 5e-4, "min_lr": 1e-5}, {"warmup_steps": 5}]
+)
+def test_a_restored_schedule_follows_this_runs_settings(changes: dict) -> None:
+    """The next step's LR is this run's schedule at the checkpoint's step; unchanged settings give the
+    very value the uninterrupted run computes."""
+    old = TrainConfig(lr=1e-3, min_lr=5e-5, warmup_steps=2, lr_schedule="cosine", max_steps=6)
+    new = old.model_copy(update=changes)
+    saved = _scheduler_after(old, 4).state_dict()
+    sched = build_lr_scheduler(build_optimizer(torch.nn.Linear(2, 2), new), new)
+    lr = restore_lr_scheduler(sched, saved, new)
+    assert [g["lr"] for g in sched.optimizer.param_groups] == [lr] * len(sched.optimizer.param_groups)
+    assert lr == pytest.approx(lr_at(4, new), rel=1e-12)
+    if not changes:
+        assert lr == _scheduler_after(old, 4).optimizer.param_groups[0]["lr"]  # same computation, same value
+    sched.optimizer.step()
+    sched.step()
+    assert sched.optimizer.param_groups[0]["lr"] == pytest.approx(lr_at(5, new), rel=1e-12)

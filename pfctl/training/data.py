@@ -1,0 +1,225 @@
+"""The trainer's data: the encode-latents cache, the held-out split, the sync group's sampler and
+loader, and the batch feed that loads the next micro-batch while the GPU runs the backward.
+
+The helpers that only read the cache are plain functions: the dry-run (:mod:`pfctl.training.plan`)
+shares them with the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pfctl.config.train import TrainConfig
+from pfctl.data.dataset import (
+    ClipInfo,
+    LatentClipLoader,
+    SyncGroupSampler,
+    TrainBatch,
+    group_rng,
+    stored_latent,
+)
+from pfctl.errors import CacheError, ConfigError
+from pfctl.models.dit_common import right_padded_lengths
+
+#: The cached text conditioning: key and the number of dimensions of one clip's tensor.
+TEXT_KEYS = (("prompt_embeds", 2), ("prompt_attention_mask", 1), ("pooled_prompt_embeds", 1))
+
+
+def cache_path(config: Any) -> str:
+    return config.train.cache or config.encode.output_dir
+
+
+def open_cache(path: str) -> Any:
+    """Open the encode-latents cache; the cache module checks its format version and fingerprint."""
+    from pfctl.data.latent_cache import LatentCache
+
+    return LatentCache.open(path)
+
+
+def cache_clips(cache: Any) -> list[ClipInfo]:
+    return [
+        ClipInfo(
+            id=str(r["id"]),
+            num_latent_frames=int(r["num_latent_frames"]),
+            height=int(r["height"]),
+            width=int(r["width"]),
+        )
+        for r in cache.items()
+    ]
+
+
+def split_heldout(clips: list[ClipInfo], n: int, seed: int) -> list[ClipInfo]:
+    """``n`` clips chosen by the seed alone (the same on every rank) and never trained on."""
+    if n == 0:
+        return []
+    if n >= len(clips):
+        raise ConfigError(f"train.heldout_clips {n} leaves no training clips (the cache has {len(clips)})")
+    ordered = sorted(clips, key=lambda c: c.id)
+    picks = group_rng(seed, 401).choice(len(ordered), size=n, replace=False)
+    return [ordered[i] for i in sorted(picks)]
+
+
+def cache_normalizer(cache: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Raw VAE latents → DiT latents, with the rule the cache header records."""
+    from pfctl.data.dataset import latent_normalizer
+
+    return latent_normalizer(cache.vae)
+
+
+def cache_vae_info(cache: Any) -> dict[str, Any]:
+    """What the export records about the latents it was trained on (generate needs a matching VAE)."""
+    return {"vae": cache.vae, "cache_fingerprint": cache.fingerprint}
+
+
+def check_cache_matches_model(cache: Any, model: torch.nn.Module) -> None:
+    """Latent channels and text widths of the cache must fit the DiT (clear error, not a shape crash)."""
+    config = getattr(model, "config", None)
+    if config is None or not len(cache):
+        return
+    try:
+        entry = cache.load(cache.ids()[0])
+    except Exception:
+        return  # a broken first clip is handled (replaced) by the loader
+    latent = stored_latent(entry)  # the posterior mean or the stored sample: deterministic
+    in_channels = int(config.get("in_channels", 0)) if hasattr(config, "get") else 0
+    patch_channels = latent.shape[0] * 4
+    if in_channels and in_channels not in (latent.shape[0], patch_channels):
+        raise ConfigError(
+            f"the cache's latents have {latent.shape[0]} channels but the DiT takes in_channels={in_channels}",
+            hint="encode the cache with the VAE of this model, or pick a DiT preset for these latents",
+        )
+    width = int(config.get("joint_attention_dim", 0)) if hasattr(config, "get") else 0
+    text = entry["prompt_embeds"]
+    if width and text.shape[-1] != width:
+        raise ConfigError(
+            f"the cache's text features are {text.shape[-1]}-d but the DiT's joint_attention_dim is {width}",
+            hint="encode the cache with this model's text encoder",
+        )
+
+
+def group_agreement(sync: Any, device: torch.device) -> Callable[[list[bool]], list[bool]]:
+    """The loader's ``agree``: OR-reduce load failures over the sync group so every rank replaces the
+    same slots.
+
+    On a GPU the collective waits for the kernels queued before it (during a prefetch: the backward);
+    a group of one rank agrees with itself, so it skips the collective."""
+
+    def agree(ok: list[bool]) -> list[bool]:
+        if sync.process_group is None or sync.size == 1:
+            return ok
+        failed = torch.tensor([0 if good else 1 for good in ok], dtype=torch.int64, device=device)
+        sync.all_reduce(failed, op="max")
+        return [int(f) == 0 for f in failed.tolist()]
+
+    return agree
+
+
+@dataclass
+class TrainData:
+    """The run's data: the cache, the held-out clips, this sync group's sampler and its loader."""
+
+    cache: Any
+    heldout: list[ClipInfo]
+    sampler: SyncGroupSampler
+    loader: LatentClipLoader
+
+
+def build_data(
+    config: Any, *, num_groups: int, group_index: int, seed: int, agree: Callable[[list[bool]], list[bool]]
+) -> TrainData:
+    """Open the cache (format + fingerprint checked), split off the held-out clips, and build the
+    group's sampler and loader (``agree`` OR-reduces load failures over the sync group)."""
+    cfg: TrainConfig = config.train
+    cache = open_cache(cache_path(config))
+    clips = cache_clips(cache)
+    heldout = split_heldout(clips, cfg.heldout_clips, seed)
+    held_ids = {c.id for c in heldout}
+    sampler = SyncGroupSampler(
+        [c for c in clips if c.id not in held_ids],
+        num_groups=num_groups,
+        group_index=group_index,
+        batch_size=cfg.batch_size,
+        seed=seed,
+        max_units=cfg.max_units,
+        image_ratio=cfg.image_ratio,
+    )
+    loader = LatentClipLoader(
+        cache, sampler, normalize=cache_normalizer(cache), caption_dropout=cfg.caption_dropout, agree=agree
+    )
+    return TrainData(cache=cache, heldout=heldout, sampler=sampler, loader=loader)
+
+
+@dataclass
+class _Prefetched:
+    """A micro-step's batch loaded ahead (:meth:`BatchFeed.prefetch`): the batch, or the data error that
+    loading it raised, and the sampler state before it was drawn (what a checkpoint records meanwhile)."""
+
+    position: dict[str, Any]
+    batch: TrainBatch | None = None
+    error: CacheError | None = None
+
+
+class BatchFeed:
+    """Micro-batches on the training device, the next one loaded ahead while the GPU works."""
+
+    def __init__(self, data: TrainData, device: torch.device, *, skip_future_keys: bool) -> None:
+        self.data, self.device, self.skip_future_keys = data, device, skip_future_keys
+        self.ahead: _Prefetched | None = None  # the batch of the next micro-step, loaded ahead
+
+    def next_batch(self, micro_step: int) -> TrainBatch:
+        """The batch of ``micro_step`` on the device: the prefetched one, else loaded now."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return self.to_device(self.data.loader.next_batch(micro_step))
+        if ahead.error is not None:
+            raise ahead.error
+        return ahead.batch
+
+    def prefetch(self, micro_step: int) -> None:
+        """Load the batch of ``micro_step`` now and queue its copy to the device.
+
+        Called right after a backward is launched, before anything waits for the GPU. It runs on the
+        main thread, in the same order on every rank, because the loader may all-reduce load failures
+        over the sync group. The data position before the draw is kept: until the batch is used, a
+        checkpoint records that position, so a resumed run draws the same batch again. A data error
+        (:class:`CacheError`) is raised by the micro-step that uses the batch, as without prefetching
+        (the step before still completes and checkpoints); anything else, e.g. a failed collective, at once.
+        """
+        position = self.data.sampler.state_dict()
+        try:
+            batch = self.data.loader.next_batch(micro_step)
+        except CacheError as exc:
+            self.ahead = _Prefetched(position, error=exc)
+            return
+        self.ahead = _Prefetched(position, batch=self.to_device(batch))
+
+    def position(self) -> dict[str, Any]:
+        """The sampler state a checkpoint records: before the prefetched batch, if one is waiting."""
+        return self.ahead.position if self.ahead is not None else self.data.sampler.state_dict()
+
+    def to_device(self, batch: TrainBatch) -> TrainBatch:
+        """The batch with its tensors on the training device.
+
+        On a GPU the copies are queued from pinned memory without blocking: a copy from pageable memory
+        first waits for every kernel already queued (during a prefetch: the whole backward).
+        """
+        device = self.device
+        pinned = device.type == "cuda"
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return (t.pin_memory() if pinned else t).to(device, non_blocking=pinned)
+
+        lengths = right_padded_lengths(batch.prompt_attention_mask) if self.skip_future_keys else None
+        return dataclasses.replace(
+            batch,
+            text_lengths=lengths,  # before the copy: no wait for the GPU
+            latents=move(batch.latents),
+            prompt_embeds=move(batch.prompt_embeds),
+            prompt_attention_mask=move(batch.prompt_attention_mask),
+            pooled_prompt_embeds=move(batch.pooled_prompt_embeds),
+        )
