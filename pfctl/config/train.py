@@ -188,6 +188,12 @@ class TrainConfig(Section):
     export: bool = True
     """Write ``output_dir/export`` (a model folder ``pfctl generate --model`` loads) at the end."""
 
+    export_format: Literal["pfctl", "official", "both"] = "pfctl"
+    """What the end of a run writes: ``pfctl`` = ``output_dir/export`` (what ``pfctl generate --model`` and
+    ``--lora`` load); ``official`` = ``output_dir/export-official``, the official Pyramid Flow layout the
+    reference's scripts and ComfyUI load (the EMA weights when there are; LoRA runs merged into their
+    base), as ``pfctl export`` writes it; ``both`` = the two."""
+
     # --- observability --------------------------------------------------------------------------
     log_every: int = Field(default=10, ge=1)
     tensorboard: bool = False

@@ -74,18 +74,20 @@ def write_official_folder(
     variant: str,
     provenance: Mapping[str, Any],
     dtype: torch.dtype | None = None,
+    replace: bool = False,
 ) -> Path:
     """Write ``dit`` (cast to ``dtype`` when given) under ``out/variant`` with the base model's VAE and
     text encoders beside it, and ``pfctl_provenance.json``; returns ``out``.
 
-    Raises :class:`CheckpointError` when ``out`` exists or ``base`` lacks a folder the layout needs.
+    Raises :class:`CheckpointError` when ``out`` exists (with ``replace``: unless it is a folder this
+    function wrote, which is then replaced whole) or ``base`` lacks a folder the layout needs.
     """
     from pfctl import __version__
-    from pfctl.utils.io import atomic_write_json
+    from pfctl.utils.io import atomic_write_json, replace_dir
 
     out, base = Path(out), Path(base)
     check_variant(variant)
-    if out.exists():
+    if out.exists() and not (replace and (out / PROVENANCE).is_file()):
         raise CheckpointError(f"{out} exists; refusing to overwrite it", hint="choose a new output folder")
     missing = [name for name in aux_folders(dit) if not (base / name).is_dir()]
     if missing:
@@ -112,9 +114,12 @@ def write_official_folder(
             **dict(provenance),
         }
         atomic_write_json(staging / PROVENANCE, record)
-        if out.exists():  # appeared while we wrote
+        if replace:
+            replace_dir(staging, out)
+        elif out.exists():  # appeared while we wrote
             raise CheckpointError(f"{out} exists; refusing to overwrite it", hint="choose a new output folder")
-        os.rename(staging, out)
+        else:
+            os.rename(staging, out)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)

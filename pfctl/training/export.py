@@ -155,19 +155,21 @@ def export_official(
     ema: bool = True,
     base: str | os.PathLike[str] | None = None,
     dtype: str | None = None,
+    replace: bool = False,
 ) -> OfficialExportReport:
     """Write ``source`` (a pfctl export, checkpoint or LoRA export) as an official folder at ``out``.
 
     ``ema``: the EMA weights when the source has them (else the trained ones); ``base``: the model
     folder whose VAE and text encoders go beside the DiT (default: the one the run started from);
-    ``dtype``: ``fp32`` / ``bf16`` / ``fp16`` for the DiT's stored weights (default: as trained, fp32).
+    ``dtype``: ``fp32`` / ``bf16`` / ``fp16`` for the DiT's stored weights (default: as trained, fp32);
+    ``replace``: an official folder pfctl wrote earlier at ``out`` is replaced (``pfctl train`` at its end).
     """
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"dtype {dtype!r} is not supported", hint=f"choose from {', '.join(DTYPES)}")
     path = Path(source).expanduser()
     if not path.is_dir():
         raise ConfigError(f"{path} is not a folder", hint="pass the export, checkpoint or LoRA folder")
-    if Path(out).exists():  # before loading anything
+    if Path(out).exists() and not replace:  # before loading anything
         raise CheckpointError(f"{out} exists; refusing to overwrite it", hint="choose a new output folder")
     src = _read_source(path, None if base is None else str(base), variant, ema)
     chosen = variant or src.variant or _only_variant(src.base)
@@ -178,6 +180,6 @@ def export_official(
     provenance = {"source": str(path.resolve()), "source_kind": src.kind, "weights": src.weights, **src.provenance}
     written = write_official_folder(
         out, src.dit, base=src.base, variant=chosen, provenance=provenance,
-        dtype=None if dtype is None else DTYPES[dtype],
+        dtype=None if dtype is None else DTYPES[dtype], replace=replace,
     )  # fmt: skip
     return OfficialExportReport(written, str(path), src.kind, chosen, src.weights, src.base, provenance)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
 import time
 import warnings
 from collections.abc import Sequence
@@ -530,7 +531,8 @@ class Trainer:
 
     def export(self) -> Path:
         """``output_dir/export`` (main process): a model folder ``pfctl generate --model`` loads, or for a
-        LoRA run the adapter folder ``pfctl generate --lora`` loads."""
+        LoRA run the adapter folder ``pfctl generate --lora`` loads; with ``train.export_format``
+        ``official``/``both`` also ``output_dir/export-official`` (the official layout, from that export)."""
         out = self.out / "export"
         state = self.trained_state()  # collective under FSDP: every rank gathers
         if self.runtime.is_main:
@@ -538,8 +540,15 @@ class Trainer:
                 out, self.unwrapped, state, self.ema.state_dict() if self.ema is not None else None,
                 steps=self.step, extra={"cache": cache_path(self.config), **cache_vae_info(self.data.cache)},
             )  # fmt: skip
+            if self.cfg.export_format != "pfctl":
+                from pfctl.training.export import export_official
+
+                official = export_official(out, self.out / "export-official", replace=True).output_dir
+                pflog.log(f"exported the model in the official Pyramid Flow layout to {official}")
+                if self.cfg.export_format == "official":
+                    shutil.rmtree(out)
         self.runtime.barrier()
-        return out
+        return self.out / ("export-official" if self.cfg.export_format == "official" else "export")
 
     @torch.no_grad()
     def heldout_loss(self) -> float:

@@ -200,3 +200,26 @@ def test_generate_from_the_official_folder_equals_the_pfctl_export(export, tmp_p
     # the same weights and text encoders, loaded from two folders: equal up to fp32 rounding of the
     # sampler (weights at other addresses may take other CPU kernels; see the README on portability)
     torch.testing.assert_close(latents[1], latents[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["both", "official"])
+def test_train_writes_the_official_folder_at_its_end(base, tmp_path, fmt):
+    from pfctl import api
+    from pfctl.config import load_config
+    from pfctl.data.dataset import write_synthetic_cache
+
+    write_synthetic_cache(str(tmp_path / "cache"), [2] * 8, seed=0)
+    overrides = {
+        "runtime.device": "cpu", "model.path": str(base), "model.variant": VARIANT,
+        "train.cache": str(tmp_path / "cache"), "train.output_dir": str(tmp_path / "out"), "train.batch_size": 4,
+        "train.max_units": 2, "train.max_steps": 2, "train.warmup_steps": 1, "train.checkpoint_every": 1000,
+        "train.ema_decay": 0.9, "train.export_format": fmt,
+    }  # fmt: skip
+    api.train(load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()]))
+    official = tmp_path / "out" / "export-official"
+    assert (official / VARIANT / "config.json").is_file() and (official / "causal_video_vae").is_dir()
+    assert json.loads((official / PROVENANCE).read_text())["weights"] == "ema"
+    assert (tmp_path / "out" / "export").is_dir() == (fmt == "both")
+    # the run's final EMA weights, as its last checkpoint holds them
+    _assert_same_state(_state(official / VARIANT), _state(tmp_path / "out" / "checkpoints" / "step-000002" / "ema"))
