@@ -2,8 +2,9 @@
 
 - :mod:`pfctl.verify.audit` — hooks on a real forward classify norms (time-coupled / per-frame /
   channel-only) and attention, and test chunking flags;
+- the exact chunked encode it measures lives in :mod:`pfctl.models.exact_chunked` (encode-latents
+  uses it too);
 - :mod:`pfctl.verify.measure` — statistics drift, latent/decoded errors, flicker, peak memory;
-- :mod:`pfctl.verify.exact` — the exact chunked encode (layer-synchronous two-pass GroupNorm statistics);
 - :mod:`pfctl.verify.report` — the JSON schema, rich tables, PNG plot;
 - :mod:`pfctl.verify.run` — the command from config to report.
 """

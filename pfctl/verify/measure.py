@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pfctl.verify.exact import chan_merge, tune_malloc_for_threads
+from pfctl.models.exact_chunked import chan_merge, tune_malloc_for_threads
 
 
 # ---------------------------------------------------------------------------------------- GN statistics

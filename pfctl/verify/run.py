@@ -358,7 +358,7 @@ def run_verify(config: RecipeConfig) -> GroupNormReport:
 def _exact_result(vae: Any, x: torch.Tensor, chunk_frames: int | None) -> int | None:
     """Run the exact encode once (for memory) and return the bytes the engine held at norm boundaries."""
     if getattr(vae, "uses_exact_engine", False):
-        from pfctl.verify.exact import exact_chunked_encode
+        from pfctl.models.exact_chunked import exact_chunked_encode
 
         plan = _chunk_plan(vae, x.shape[2], chunk_frames)
         res = exact_chunked_encode(vae, x, plan, offload_above=getattr(vae, "exact_offload_above", None))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pfctl.models.diffusers_vae import load_diffusers_vae
-from pfctl.verify.exact import (
+from pfctl.models.exact_chunked import (
     HaloExchange,
     chan_merge,
     exact_chunked_encode,

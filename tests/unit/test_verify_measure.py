@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pfctl.models.diffusers_vae import load_diffusers_vae
-from pfctl.verify.exact import layer_synchronous_forward
+from pfctl.models.exact_chunked import layer_synchronous_forward
 from pfctl.verify.measure import (
     boundaries,
     capture_group_stats,
