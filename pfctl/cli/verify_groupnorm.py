@@ -140,17 +140,22 @@ def verify_groupnorm(
         if show_config:
             print_config(config)
             return
-        from pfctl import api
-        from pfctl.runtime.logging import log
-        from pfctl.verify.report import render
+        _run(config)
 
-        with _stderr_progress() as progress:
-            report = api.verify_groupnorm(config, progress=progress)
-        render(report)
-        for line in _written(config):
-            log(line)
-        if report.exit_code:
-            raise typer.Exit(report.exit_code)
+
+def _run(config) -> None:
+    """Run the check with progress on stderr, print the report, exit 1 when a path fails."""
+    from pfctl import api
+    from pfctl.runtime.logging import log
+    from pfctl.verify.report import render
+
+    with _stderr_progress() as progress:
+        report = api.verify_groupnorm(config, progress=progress)
+    render(report)
+    for line in _written(config):
+        log(line)
+    if report.exit_code:
+        raise typer.Exit(report.exit_code)
 
 
 @contextmanager

@@ -132,8 +132,6 @@ def path_label(p: PathResult) -> str:
 
 def render(report: GroupNormReport, console: Any = None) -> None:
     """Print the report as rich tables (plain text when not on a terminal)."""
-    from rich.table import Table
-
     if console is None:
         from rich.console import Console
 
@@ -143,6 +141,14 @@ def render(report: GroupNormReport, console: Any = None) -> None:
         console = Console(
             highlight=False, force_terminal=None if rich_on else False, width=None if rich_on else 160
         )
+    _render_header(report, console)
+    console.print(_paths_table(report))
+    _render_drift(report, console)
+    _render_footer(report, console)
+
+
+def _render_header(report: GroupNormReport, console: Any) -> None:
+    """VAE, input, audit verdict with counts, flags, noise floor."""
     vae, audit = report.vae, report.audit
     console.print(f"[bold]VAE[/] {vae['name']} ({vae['spec']}){_WEIGHTS.get(vae.get('weights'), '')}")
     console.print(f"[bold]input[/] {report.input['description']}  shape {report.input['shape']}")
@@ -162,6 +168,11 @@ def render(report: GroupNormReport, console: Any = None) -> None:
         console.print(
             f"[bold]bf16 noise floor F[/] (one-call bf16 vs fp32): relL2 {_fmt(report.noise_floor['rel_l2'])}"
         )
+
+
+def _paths_table(report: GroupNormReport) -> Any:
+    """One row per path: chunks, latent and decoded errors, drift, bf16 ratio, status."""
+    from rich.table import Table
 
     table = Table(title="chunked vs one-call encode (posterior mean, fp32)", show_lines=False)
     for col in (
@@ -201,7 +212,13 @@ def render(report: GroupNormReport, console: Any = None) -> None:
             _fmt((p.bf16 or {}).get("ratio_to_floor"), ".2f"),
             f"[{_STYLE[p.status]}]{p.status}[/]",
         )
-    console.print(table)
+    return table
+
+
+def _render_drift(report: GroupNormReport, console: Any) -> None:
+    """GroupNorm statistics drift of the library path, first layers."""
+    from rich.table import Table
+
     lib = next((p for p in report.paths if p.name == "library" and p.drift and p.drift.get("layers")), None)
     if lib is not None:
         dt = Table(title=f"GroupNorm statistics drift, library path ({lib.drift['threshold']} = warn)")
@@ -219,6 +236,10 @@ def render(report: GroupNormReport, console: Any = None) -> None:
         console.print(dt)
         if lib.drift.get("first_over"):
             console.print(f"  first layer over {lib.drift['threshold']}: {lib.drift['first_over']}")
+
+
+def _render_footer(report: GroupNormReport, console: Any) -> None:
+    """Memory, reasons of every non-passing path, notes, the result."""
     if report.memory:
         m = report.memory
         ratio = _fmt(m.get("ratio"), ".2f")
