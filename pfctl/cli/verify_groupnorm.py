@@ -106,7 +106,7 @@ def verify_groupnorm(
         str | None,
         typer.Option(
             "--plot",
-            help="Write a PNG of per-latent-frame error here (no matplotlib needed).",
+            help="Write a PNG of per-latent-frame error per path here (titled, labelled axes, legend).",
             show_default=False,
         ),
     ] = None,
