@@ -137,7 +137,7 @@ def test_weights_are_named_for_what_they_are(wan_report):
     assert weights_kind("wan-tiny") == "random" and weights_kind("/models/vae") == "user"
     for kind, says, never in (
         ("trained-embedded", "trained", "random-weight"),
-        ("random", "random-weight", "trained"),
+        ("random", "random-weight", "embedded"),
     ):
         report = dataclasses.replace(wan_report, vae={**wan_report.vae, "weights": kind})
         console = Console(record=True, width=200, force_terminal=False)
