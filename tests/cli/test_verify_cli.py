@@ -117,6 +117,7 @@ def test_exact_offload_budget_gives_the_same_exact_encode(tmp_path):
     assert runs["offload"] == runs["gpu"]
 
 
+@pytest.mark.slow
 def test_small_odd_sized_video_runs_and_progress_goes_to_stderr(tmp_path):
     """A 72x48 clip (decord mis-sizes it) is read as encode-latents reads it; each step is announced on
     stderr, and stdout keeps only the report."""

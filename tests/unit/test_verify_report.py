@@ -146,6 +146,7 @@ def test_weights_are_named_for_what_they_are(wan_report):
         assert says in first and never not in first
 
 
+@pytest.mark.slow
 def test_exact_chunkable_model_with_tile_blending_library_is_judged_approximate():
     """LTX: every norm is channel-only (EXACT-CHUNKABLE) but its chunked encode blends overlapping tiles
     without a conv cache; its rows are judged as approximate and the report says why."""

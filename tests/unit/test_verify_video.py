@@ -11,6 +11,7 @@ from pfctl.verify.synthetic import load_clip
 
 pytest.importorskip("decord")
 pytest.importorskip("av")
+pytestmark = pytest.mark.slow  # real videos, written and decoded
 
 
 def test_odd_width_video_loads(tmp_path):
