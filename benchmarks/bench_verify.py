@@ -190,7 +190,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     """One rank of ``--nproc``: the exact encode of its time shard; rank 0 gathers and reports."""
     import torch.distributed as dist
 
-    from pfctl.verify.exact import distributed_exchange, exact_chunked_encode, shard_frames
+    from pfctl.models.exact_chunked import distributed_exchange, exact_chunked_encode, shard_frames
 
     cuda = args.device == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Annotated
 
 import typer
@@ -104,7 +106,7 @@ def verify_groupnorm(
         str | None,
         typer.Option(
             "--plot",
-            help="Write a PNG of per-latent-frame error here (no matplotlib needed).",
+            help="Write a PNG of per-latent-frame error per path here (titled, labelled axes, legend).",
             show_default=False,
         ),
     ] = None,
@@ -138,16 +140,49 @@ def verify_groupnorm(
         if show_config:
             print_config(config)
             return
-        from pfctl import api
-        from pfctl.runtime.logging import log
-        from pfctl.verify.report import render
+        _run(config)
 
-        report = api.verify_groupnorm(config)
-        render(report)
-        for line in _written(config):
-            log(line)
-        if report.exit_code:
-            raise typer.Exit(report.exit_code)
+
+def _run(config) -> None:
+    """Run the check with progress on stderr, print the report, exit 1 when a path fails."""
+    from pfctl import api
+    from pfctl.runtime.logging import log
+    from pfctl.verify.report import render
+
+    with _stderr_progress() as progress:
+        report = api.verify_groupnorm(config, progress=progress)
+    render(report)
+    for line in _written(config):
+        log(line)
+    if report.exit_code:
+        raise typer.Exit(report.exit_code)
+
+
+@contextmanager
+def _stderr_progress() -> Iterator[Callable[[str, int, int | None], None]]:
+    """Progress of the steps on stderr (stdout keeps the report): a rich bar on a terminal, else one
+    line per step."""
+    import sys
+
+    if not sys.stderr.isatty():
+
+        def line(step: str, done: int, total: int | None) -> None:
+            if step != "done":
+                print(f"verify-groupnorm [{done + 1}/{total or '?'}] {step}", file=sys.stderr, flush=True)
+
+        yield line
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("verify-groupnorm", total=None)
+
+        def update(step: str, done: int, total: int | None) -> None:
+            bar.update(task, description=step, completed=done, total=total)
+
+        yield update
 
 
 def _written(config) -> list[str]:

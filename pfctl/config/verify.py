@@ -53,22 +53,23 @@ class VerifyConfig(Section):
     exact_chunk_frames: int | None = Field(default=None, ge=1)
     """Chunk size of the exact chunked encode (None: the library's own chunk size)."""
     exact_offload_above_gib: float | None = Field(default=None, ge=0)
-    """GPU memory for the exact encode's parked norm inputs before the rest wait in host memory
-    (None: all stay on the GPU). CogVideoX 49x480x720 bf16 on an H200: 2 → 13.2 GB peak at 1.43x the
-    one-call time, vs 15.3 GB without offload."""
+    """GPU memory (GiB) for the exact encode's parked norm inputs before the rest wait in host memory
+    (None: all stay on the GPU). Lowers the exact encode's peak at some cost in time (copies back and
+    forth); use it when the exact encode does not fit (measured figures: benchmarks/RESULTS.md)."""
     dtypes: list[Literal["fp32", "bf16"]] = Field(default_factory=lambda: ["fp32", "bf16"])
     """fp32 is the reference; bf16 adds the noise floor F and the bf16 check of the library path."""
     decode: bool = True
     """Decode both latents with the same decoder to report PSNR and flicker."""
     memory: bool = True
-    """Measure peak memory of the one-call and exact encodes (method stated in the report)."""
+    """Measure peak memory of the one-call and exact encodes: CUDA allocator statistics on a GPU,
+    glibc malloc's bytes in use on the CPU (method stated in the report)."""
     memory_frames: int | None = Field(default=None, ge=1)
     """Clip length for the memory comparison (None: the measured clip)."""
     tolerances: ToleranceConfig = Field(default_factory=ToleranceConfig)
     json_path: str | None = None
     """Write the full report as JSON here (``--json``)."""
     plot_path: str | None = None
-    """Write a PNG of per-latent-frame error here (``--plot``; pure-Python PNG, no matplotlib)."""
+    """Write a PNG of per-latent-frame error here (``--plot``; drawn with Pillow, no matplotlib)."""
     device: Literal["auto", "cpu", "cuda"] | None = None
     """None: runtime.device."""
     seed: int = 0

@@ -9,7 +9,8 @@ module state:
   ``encoder`` + ``quant_conv`` directly, because the library has no switch to turn frame batching off);
 - ``chunking="framewise"``: the library's own chunked path (``chunk_frames`` picks another chunk size);
 - ``chunking="exact"``: chunked with bounded memory *and* equal to ``"none"`` — for time-coupled
-  GroupNorms this is :func:`pfctl.verify.exact.exact_chunked_encode` (layer-synchronous statistics).
+  GroupNorms this is :func:`pfctl.models.exact_chunked.exact_chunked_encode` (layer-synchronous
+  statistics).
 
 Module state the library keeps (``num_sample_frames_batch_size``, tile sizes, framewise flags) is set
 for the duration of one call and restored, so calls never leak settings into each other.
@@ -426,7 +427,7 @@ class DiffusersVideoVAE:
 
     def _encode_exact(self, x: torch.Tensor, chunk_frames: int | None, **kw: Any) -> torch.Tensor:
         if self.family == "cogvideox":
-            from pfctl.verify.exact import exact_chunked_encode
+            from pfctl.models.exact_chunked import exact_chunked_encode
 
             plan = self.chunk_plan(x.shape[2], chunk_frames)
             kw.setdefault("offload_above", self.exact_offload_above)
@@ -438,7 +439,7 @@ class DiffusersVideoVAE:
             hint="its encoder attends over time or its framewise path carries no conv cache; use 'none'",
         )
 
-    # ---- hooks for pfctl.verify.exact (layer-synchronous chunked encode)
+    # ---- hooks for pfctl.models.exact_chunked (layer-synchronous chunked encode)
     @property
     def uses_exact_engine(self) -> bool:
         """True when chunking="exact" needs the layer-synchronous engine (time-coupled GroupNorms)."""

@@ -191,25 +191,9 @@ def audit_module(root: nn.Module, run: Callable[[], Any], *, prefix: str = "") -
     def on_sdpa(q: torch.Tensor, mask: Any, is_causal: bool) -> None:
         owner = next((s for s in reversed(stack) if "attn" in s.lower() or "attention" in s.lower()), None)
         owner = owner or (stack[-1] if stack else "<functional>")
-        L = q.shape[-2]
-        c = ctx[0]
-        spanned: int | None = None
-        if c is not None:
-            T, H, W = c[2], c[3], c[4]
-            if H * W and L % (H * W) == 0:
-                spanned = L // (H * W)
-            elif L == T:
-                spanned = T
-        cross = spanned is not None and spanned > 1
-        if owner not in attention or cross:
-            attention[owner] = AttentionRecord(
-                name=owner,
-                query_shape=list(q.shape),
-                frames_spanned=spanned,
-                causal=bool(is_causal),
-                masked=mask is not None,
-                cross_frame=cross,
-            )
+        rec = _attention_record(owner, q, mask, is_causal, ctx[0])
+        if owner not in attention or rec.cross_frame:
+            attention[owner] = rec
 
     modules_by_name = {v: k for k, v in names.items()}
     original_gn = F.group_norm
@@ -237,8 +221,35 @@ def audit_module(root: nn.Module, run: Callable[[], Any], *, prefix: str = "") -
         for h in handles:
             h.remove()
 
-    norm_list = list(norms.values())
-    attn_list = list(attention.values())
+    return _result(list(norms.values()), list(attention.values()), temporal_convs)
+
+
+def _attention_record(
+    owner: str, q: torch.Tensor, mask: Any, is_causal: bool, ctx: tuple[int, ...] | None
+) -> AttentionRecord:
+    """How many frames one attention call's sequence spans, from the enclosing activation's (T, H, W)."""
+    L = q.shape[-2]
+    spanned: int | None = None
+    if ctx is not None:
+        T, H, W = ctx[2], ctx[3], ctx[4]
+        if H * W and L % (H * W) == 0:
+            spanned = L // (H * W)
+        elif L == T:
+            spanned = T
+    return AttentionRecord(
+        name=owner,
+        query_shape=list(q.shape),
+        frames_spanned=spanned,
+        causal=bool(is_causal),
+        masked=mask is not None,
+        cross_frame=spanned is not None and spanned > 1,
+    )
+
+
+def _result(
+    norm_list: list[NormRecord], attn_list: list[AttentionRecord], temporal_convs: int
+) -> AuditResult:
+    """The verdict from what was seen: cross-frame attention first, then time-coupled norms."""
     coupled_by = []
     if any(n.kind == TC for n in norm_list):
         coupled_by.append("stats")
@@ -257,6 +268,35 @@ def audit_module(root: nn.Module, run: Callable[[], Any], *, prefix: str = "") -
 
 
 # ---------------------------------------------------------------------------------------- flags
+def _static_flag_notes(module: nn.Module) -> list[FlagFinding]:
+    """Notes read from the source of a VAE without a temporal-tiled encode: a framewise flag that raises,
+    or frame batching that no flag turns off."""
+    findings: list[FlagFinding] = []
+    cls = type(module).__name__
+    try:
+        encode_src = inspect.getsource(type(module)._encode)
+    except (OSError, TypeError, AttributeError):
+        encode_src = ""
+    if hasattr(module, "use_framewise_encoding") and "NotImplementedError" in encode_src:
+        findings.append(
+            FlagFinding(
+                "use_framewise_encoding",
+                "info",
+                f"{cls}: use_framewise_encoding exists but raises NotImplementedError when set",
+            )
+        )
+    if "num_sample_frames_batch_size" in encode_src:
+        findings.append(
+            FlagFinding(
+                "num_sample_frames_batch_size",
+                "info",
+                f"{cls}: frame batching is always on (num_sample_frames_batch_size="
+                f"{module.num_sample_frames_batch_size}); there is no flag to turn it off",
+            )
+        )
+    return findings
+
+
 def check_framewise_flags(module: nn.Module, probe: torch.Tensor) -> list[FlagFinding]:
     """Which chunking flag actually switches the library's temporal-tiled encode on.
 
@@ -264,36 +304,10 @@ def check_framewise_flags(module: nn.Module, probe: torch.Tensor) -> list[FlagFi
     clip longer than the tile. Catches the diffusers LTX bug where ``_encode`` tests
     ``use_framewise_decoding``.
     """
-    findings: list[FlagFinding] = []
     cls = type(module).__name__
     if not (hasattr(module, "use_framewise_encoding") and hasattr(module, "_temporal_tiled_encode")):
-        if hasattr(module, "use_framewise_encoding"):
-            try:
-                src = inspect.getsource(type(module)._encode)
-            except (OSError, TypeError):
-                src = ""
-            if "NotImplementedError" in src:
-                findings.append(
-                    FlagFinding(
-                        "use_framewise_encoding",
-                        "info",
-                        f"{cls}: use_framewise_encoding exists but raises NotImplementedError when set",
-                    )
-                )
-        try:
-            encode_src = inspect.getsource(type(module)._encode)
-        except (OSError, TypeError, AttributeError):
-            encode_src = ""
-        if "num_sample_frames_batch_size" in encode_src:
-            findings.append(
-                FlagFinding(
-                    "num_sample_frames_batch_size",
-                    "info",
-                    f"{cls}: frame batching is always on (num_sample_frames_batch_size="
-                    f"{module.num_sample_frames_batch_size}); there is no flag to turn it off",
-                )
-            )
-        return findings
+        return _static_flag_notes(module)
+    findings: list[FlagFinding] = []
     calls = [0]
     original = module._temporal_tiled_encode
 

@@ -8,7 +8,7 @@ import contextlib
 import ctypes
 import gc
 import math
-import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pfctl.verify.exact import chan_merge, tune_malloc_for_threads
+from pfctl.models.exact_chunked import chan_merge
 
 
 # ---------------------------------------------------------------------------------------- GN statistics
@@ -199,38 +199,56 @@ def flicker_score(full: torch.Tensor, chunked: torch.Tensor, plan: Sequence[int]
 
 
 # ---------------------------------------------------------------------------------------- memory
-def _proc_status(key: str) -> int | None:
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [  # glibc's struct mallinfo2 (all size_t)
+        (name, ctypes.c_size_t)
+        for name in [
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        ]
+    ]
+
+
+def _heap_in_use_reader() -> Callable[[], int] | None:
+    """A function returning the bytes glibc's malloc has handed out and not had back (in-use chunks of
+    every arena plus mmapped blocks), or None where that is not available (not glibc ≥ 2.33).
+
+    PyTorch's CPU allocator takes every tensor's memory from malloc and returns it on free, so this is
+    the bytes of live tensors (plus the interpreter's small objects), whatever the operating system does
+    with freed pages — unlike the resident set.
+    """
     try:
-        with open("/proc/self/status", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
         return None
-    return None
+    fn.restype = _MallInfo2
+
+    def read() -> int:
+        info = fn()
+        return int(info.uordblks + info.hblkhd)
+
+    return read
 
 
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
+def peak_memory(
+    fn: Callable[[], Any], device: torch.device | str, module: nn.Module
+) -> tuple[int | None, str]:
+    """Peak memory allocated while ``fn()`` runs above what was allocated before, and how it was measured.
 
-
-def _trim_heap() -> None:
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def peak_memory(fn: Callable[[], Any], device: torch.device | str) -> tuple[int | None, str]:
-    """Peak extra memory while ``fn()`` runs, and how it was measured.
-
-    CUDA: ``torch.cuda.max_memory_allocated`` above the allocation before the call. CPU (Linux): the
-    process's peak resident set (VmHWM, reset through /proc/self/clear_refs) above the resident set
-    before the call, after a gc + malloc_trim. Other systems: not measured (None).
+    CUDA: ``torch.cuda.max_memory_allocated`` (the caching allocator's own statistics). CPU (glibc):
+    malloc's bytes in use, read at the entry and exit of every module under ``module`` (forward hooks
+    fire in whatever thread runs the module, so chunks run by the exact engine count too) and, for the
+    temporaries inside one operator (a convolution's column buffer), every 0.2 ms by a sampling thread
+    while operators run without the GIL; the peak is the largest reading. Both count allocations, not
+    pages. Elsewhere: not measured (None).
     """
     device = torch.device(device)
     if device.type == "cuda":
@@ -240,21 +258,38 @@ def peak_memory(fn: Callable[[], Any], device: torch.device | str) -> tuple[int 
         torch.cuda.reset_peak_memory_stats(device)
         fn()
         torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(
-            device
-        ) - base, "torch.cuda.max_memory_allocated above baseline"
-    if os.name != "posix" or _proc_status("VmHWM") is None:
+        peak = torch.cuda.max_memory_allocated(device) - base
+        return peak, "torch.cuda.max_memory_allocated above the allocation before the call"
+    read = _heap_in_use_reader()
+    if read is None:
         fn()
-        return None, "not measured (needs Linux /proc or CUDA)"
-    tune_malloc_for_threads()  # large blocks mmapped → the resident set follows live tensors
-    _trim_heap()
-    if not _reset_peak_rss():
+        return None, "not measured (needs glibc malloc statistics or CUDA)"
+    gc.collect()
+    base = read()
+    peak = [base]
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def sample(*_: Any) -> None:
+        value = read()
+        with lock:
+            peak[0] = max(peak[0], value)
+
+    def sampler() -> None:
+        while not stop.wait(0.0002):
+            sample()
+
+    handles = []
+    for mod in module.modules():
+        handles += [mod.register_forward_pre_hook(sample), mod.register_forward_hook(sample)]
+    thread = threading.Thread(target=sampler, daemon=True)
+    thread.start()
+    try:
         fn()
-        return None, "not measured (/proc/self/clear_refs not writable)"
-    base = _proc_status("VmRSS") or 0
-    fn()
-    peak = _proc_status("VmHWM") or 0
-    return max(0, peak - base), (
-        "peak RSS above RSS before the call (VmHWM reset via /proc/self/clear_refs; glibc with one arena and "
-        "a fixed 128 KiB mmap threshold, so freed tensors leave the resident set)"
-    )
+        sample()
+    finally:
+        stop.set()
+        thread.join()
+        for h in handles:
+            h.remove()
+    return peak[0] - base, "malloc bytes in use above the start (glibc mallinfo2, sampled)"

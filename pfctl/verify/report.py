@@ -7,8 +7,6 @@ JSON conventions: every number is a plain float/int; a PSNR of identical videos 
 from __future__ import annotations
 
 import math
-import struct
-import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -39,6 +37,7 @@ PATH_KEYS = frozenset(
         "chunk_plan",
         "dtype",
         "tolerance_class",
+        "requested_chunk_frames",
         "available",
         "error",
         "latent",
@@ -62,6 +61,8 @@ class PathResult:
     chunk_plan: list[int]
     dtype: str
     tolerance_class: str  # "exact" or "approximate"
+    requested_chunk_frames: list[int] | None = None
+    """Chunk sizes asked for that this path runs (rounded up to what the VAE allows); None: not asked."""
     available: bool = True
     error: str | None = None
     latent: dict[str, Any] | None = None
@@ -117,12 +118,20 @@ def _fmt(v: Any, spec: str = ".2e") -> str:
 
 
 _STYLE = {"pass": "green", "warn": "yellow", "fail": "red", "n/a": "dim"}
+_WEIGHTS = {
+    "random": " [yellow](tiny random-weight model: a demonstration of the algebra, not of a trained VAE)[/]",
+    "trained-embedded": " [yellow](pfctl's embedded VAE: trained, but small and on synthetic shapes only)[/]",
+}
+
+
+def path_label(p: PathResult) -> str:
+    """The row name, with the chunk sizes asked for when the VAE made the path run another size."""
+    asked = [c for c in p.requested_chunk_frames or [] if c != p.chunk_frames]
+    return f"{p.name} (asked {','.join(map(str, asked))})" if asked else p.name
 
 
 def render(report: GroupNormReport, console: Any = None) -> None:
     """Print the report as rich tables (plain text when not on a terminal)."""
-    from rich.table import Table
-
     if console is None:
         from rich.console import Console
 
@@ -132,9 +141,16 @@ def render(report: GroupNormReport, console: Any = None) -> None:
         console = Console(
             highlight=False, force_terminal=None if rich_on else False, width=None if rich_on else 160
         )
+    _render_header(report, console)
+    console.print(_paths_table(report))
+    _render_drift(report, console)
+    _render_footer(report, console)
+
+
+def _render_header(report: GroupNormReport, console: Any) -> None:
+    """VAE, input, audit verdict with counts, flags, noise floor."""
     vae, audit = report.vae, report.audit
-    demo = " [yellow](tiny random-weight model: a demonstration of the algebra, not of a trained VAE)[/]"
-    console.print(f"[bold]VAE[/] {vae['name']} ({vae['spec']}){demo if vae['is_demo'] else ''}")
+    console.print(f"[bold]VAE[/] {vae['name']} ({vae['spec']}){_WEIGHTS.get(vae.get('weights'), '')}")
     console.print(f"[bold]input[/] {report.input['description']}  shape {report.input['shape']}")
     counts = audit["counts"]
     console.print(
@@ -152,6 +168,11 @@ def render(report: GroupNormReport, console: Any = None) -> None:
         console.print(
             f"[bold]bf16 noise floor F[/] (one-call bf16 vs fp32): relL2 {_fmt(report.noise_floor['rel_l2'])}"
         )
+
+
+def _paths_table(report: GroupNormReport) -> Any:
+    """One row per path: chunks, latent and decoded errors, drift, bf16 ratio, status."""
+    from rich.table import Table
 
     table = Table(title="chunked vs one-call encode (posterior mean, fp32)", show_lines=False)
     for col in (
@@ -171,14 +192,14 @@ def render(report: GroupNormReport, console: Any = None) -> None:
         table.add_column(col, justify="right" if col not in ("path", "chunks") else "left")
     for p in report.paths:
         if not p.available:
-            table.add_row(p.name, "—", *["—"] * 9, f"[dim]n/a[/] {p.error or ''}")
+            table.add_row(path_label(p), "—", *["—"] * 9, f"[dim]n/a[/] {p.error or ''}")
             continue
         lat, dec, dr = p.latent or {}, p.decoded or {}, p.drift or {}
         plan = p.chunk_plan
         plan_s = ",".join(map(str, plan)) if len(plan) <= 6 else f"{plan[0]},{plan[1]}…×{len(plan)}"
         per_frame = lat.get("per_frame_rel_l2") or []
         table.add_row(
-            p.name,
+            path_label(p),
             plan_s,
             _fmt(lat.get("rel_l2")),
             _fmt(lat.get("max_abs")),
@@ -191,7 +212,13 @@ def render(report: GroupNormReport, console: Any = None) -> None:
             _fmt((p.bf16 or {}).get("ratio_to_floor"), ".2f"),
             f"[{_STYLE[p.status]}]{p.status}[/]",
         )
-    console.print(table)
+    return table
+
+
+def _render_drift(report: GroupNormReport, console: Any) -> None:
+    """GroupNorm statistics drift of the library path, first layers."""
+    from rich.table import Table
+
     lib = next((p for p in report.paths if p.name == "library" and p.drift and p.drift.get("layers")), None)
     if lib is not None:
         dt = Table(title=f"GroupNorm statistics drift, library path ({lib.drift['threshold']} = warn)")
@@ -209,6 +236,10 @@ def render(report: GroupNormReport, console: Any = None) -> None:
         console.print(dt)
         if lib.drift.get("first_over"):
             console.print(f"  first layer over {lib.drift['threshold']}: {lib.drift['first_over']}")
+
+
+def _render_footer(report: GroupNormReport, console: Any) -> None:
+    """Memory, reasons of every non-passing path, notes, the result."""
     if report.memory:
         m = report.memory
         ratio = _fmt(m.get("ratio"), ".2f")
@@ -228,72 +259,3 @@ def render(report: GroupNormReport, console: Any = None) -> None:
 
 def _mib(n: int | None) -> str:
     return "—" if n is None else f"{n / 2**20:.1f} MiB"
-
-
-# ---------------------------------------------------------------------------------------- PNG plot
-_COLOURS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75)]
-
-
-def png_bytes(pixels: list[bytearray], width: int, height: int) -> bytes:
-    """Encode RGB rows (each ``3*width`` bytes) as a PNG (zlib, filter 0) — no imaging library needed."""
-    raw = b"".join(b"\x00" + bytes(row) for row in pixels)
-
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return (
-            struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-        )
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", header)
-        + chunk(b"IDAT", zlib.compress(raw, 9))
-        + chunk(b"IEND", b"")
-    )
-
-
-def plot_per_frame_error(report: GroupNormReport, width: int = 640, height: int = 320) -> bytes:
-    """Per-latent-frame relL2 of each available path, log10 y axis from 1e-8 to 1, one colour per path
-    (in the order of the report's table); dotted grid lines at each decade. Returns PNG bytes."""
-    pix = [bytearray(b"\xff" * (3 * width)) for _ in range(height)]
-    margin = 20
-    lo, hi = -8.0, 0.0
-
-    def put(x: int, y: int, rgb: tuple[int, int, int]) -> None:
-        if 0 <= x < width and 0 <= y < height:
-            pix[y][3 * x : 3 * x + 3] = bytes(rgb)
-
-    def ypos(v: float) -> int:
-        lv = min(hi, max(lo, math.log10(max(v, 1e-12))))
-        return round(height - margin - (lv - lo) / (hi - lo) * (height - 2 * margin))
-
-    for d in range(int(lo), int(hi) + 1):
-        y = ypos(10.0**d)
-        for x in range(margin, width - margin, 4):
-            put(x, y, (200, 200, 200))
-    for y in range(margin, height - margin + 1):
-        put(margin, y, (0, 0, 0))
-    for x in range(margin, width - margin):
-        put(x, height - margin, (0, 0, 0))
-    series = [p for p in report.paths if p.available and p.latent]
-    for i, p in enumerate(series):
-        vals = p.latent["per_frame_rel_l2"]
-        rgb = _COLOURS[i % len(_COLOURS)]
-        n = len(vals)
-        xs = [margin + round(j * (width - 2 * margin - 1) / max(n - 1, 1)) for j in range(n)]
-        ys = [ypos(v) for v in vals]
-        for j in range(n - 1):
-            steps = max(abs(xs[j + 1] - xs[j]), abs(ys[j + 1] - ys[j]), 1)
-            for s in range(steps + 1):
-                x = xs[j] + (xs[j + 1] - xs[j]) * s // steps
-                y = ys[j] + (ys[j + 1] - ys[j]) * s // steps
-                put(x, y, rgb)
-                put(x, y + 1, rgb)
-        for x, y in zip(xs, ys, strict=True):
-            for dx in (-2, -1, 0, 1, 2):
-                for dy in (-2, -1, 0, 1, 2):
-                    put(x + dx, y + dy, rgb)
-        for dx in range(10):  # legend swatch, top left, one row per path
-            for dy in range(6):
-                put(margin + 6 + dx, 4 + i * 8 + dy, rgb)
-    return png_bytes(pix, width, height)

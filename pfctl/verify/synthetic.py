@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from pfctl.errors import InputError
 
@@ -64,52 +63,56 @@ def synthetic_clip(num_frames: int, height: int, width: int, *, fps: float = 8.0
     )
 
 
-def _resize(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """(T, 3, h, w) float → center-cropped to the target aspect, then area/bilinear resized."""
-    _, _, h, w = frames.shape
-    target = width / height
-    if w / h > target:
-        new_w = round(h * target)
-        x0 = (w - new_w) // 2
-        frames = frames[..., x0 : x0 + new_w]
-    else:
-        new_h = round(w / target)
-        y0 = (h - new_h) // 2
-        frames = frames[..., y0 : y0 + new_h, :]
-    return F.interpolate(frames, size=(height, width), mode="bilinear", antialias=True, align_corners=False)
-
-
 def load_clip(
     path: str | Path, num_frames: int, height: int, width: int, *, fps: float | None = None
 ) -> Clip:
-    """Read ``num_frames`` frames (at ``fps`` if given, else the native rate) from a video with decord."""
+    """The first ``num_frames`` frames of a video at ``fps`` (None: its own rate), as encode-latents
+    reads them: the same reader (decord, PyAV where decord mis-sizes a stream), the same fps
+    resampling (:func:`pfctl.data.video.resample_indices`) and the same cover-resize and centre crop."""
+    from pfctl.data.buckets import Bucket
+    from pfctl.data.video import (
+        ClipPlan,
+        MediaError,
+        open_video,
+        probe_video,
+        read_clip,
+        require_decord,
+        resample_indices,
+        to_model_input,
+    )
+
     path = Path(path).expanduser()
     if not path.is_file():
         raise InputError(f"video file {path} does not exist", hint="pass --video PATH to a readable video")
+    require_decord()
     try:
-        import decord
-
-        reader = decord.VideoReader(str(path), ctx=decord.cpu(0))
-        native = float(reader.get_avg_fps()) or 24.0
-        total = len(reader)
-    except Exception as exc:  # decord raises its own DECORDError and RuntimeError
-        raise InputError(
-            f"cannot read video {path}: {exc}", hint="is it a video file decord can open?"
-        ) from None
-    rate = fps or native
-    step = native / rate
-    indices = [round(i * step) for i in range(num_frames)]
-    indices = [i for i in indices if i < total]
-    if len(indices) < num_frames:
-        raise InputError(
-            f"video {path} has {total} frames at {native:.2f} fps: only {len(indices)} of {num_frames} "
-            f"frames can be taken at {rate:.2f} fps",
-            hint="use fewer --frames or a lower --fps",
+        reader = open_video(path)
+        info = probe_video(path, reader=reader)
+        rate = fps or info.fps or 24.0
+        timeline = resample_indices(info.num_frames, info.fps, rate)
+        if len(timeline) < num_frames:
+            raise InputError(
+                f"video {path} has {info.num_frames} frames at {info.fps:.2f} fps: only {len(timeline)} of "
+                f"{num_frames} frames can be taken at {rate:.2f} fps",
+                hint="use fewer --frames or a lower --fps",
+            )
+        plan = ClipPlan(
+            clip_id=path.name,
+            item_id=path.name,
+            clip_index=0,
+            frame_indices=tuple(timeline[:num_frames]),
+            bucket=Bucket(width, height),
+            fps=rate,
+            source_fps=info.fps,
+            source_width=info.width,
+            source_height=info.height,
         )
-    frames = torch.from_numpy(reader.get_batch(indices).asnumpy()).permute(0, 3, 1, 2).float() / 127.5 - 1.0
-    frames = _resize(frames, height, width).clamp(-1, 1)
+        frames = read_clip(reader, plan)
+    except MediaError as exc:
+        raise InputError(f"cannot read video {path}: {exc.detail}", hint="is it a video file?") from None
+    video = to_model_input(frames).unsqueeze(0).contiguous()  # (1, 3, T, H, W) in [-1, 1]
     return Clip(
-        video=frames.permute(1, 0, 2, 3).unsqueeze(0).contiguous(),
+        video=video,
         source=str(path),
         fps=rate,
         description=f"{path.name}: {num_frames} frames at {rate:.2f} fps, {width}x{height}",

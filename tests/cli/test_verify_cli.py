@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -114,3 +115,23 @@ def test_exact_offload_budget_gives_the_same_exact_encode(tmp_path):
         runs[name] = next(p for p in json.loads(out.read_text())["paths"] if p["name"] == "exact")
     assert runs["offload"]["status"] == "pass"
     assert runs["offload"] == runs["gpu"]
+
+
+@pytest.mark.slow
+def test_small_odd_sized_video_runs_and_progress_goes_to_stderr(tmp_path):
+    """A 72x48 clip (decord mis-sizes it) is read as encode-latents reads it; each step is announced on
+    stderr, and stdout keeps only the report."""
+    pytest.importorskip("decord")
+    from pfctl.data.synthetic import moving_frames, write_video
+
+    video = write_video(tmp_path / "small.mp4", moving_frames(12, 48, 72), fps=25)
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(
+        app,
+        ["verify-groupnorm", "--vae", "wan-tiny", "--video", str(video), *SMALL, "--json", str(out)],
+        prog_name="pfctl",
+    )
+    assert res.exit_code == 0, res.output
+    assert "path library" in res.stderr and "path exact" in res.stderr
+    assert "path library" not in res.stdout and "EXACT-CHUNKABLE" in res.stdout
+    assert json.loads(out.read_text())["input"]["source"] == str(video)

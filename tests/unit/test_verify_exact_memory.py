@@ -10,9 +10,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from pfctl.models import exact_chunked as exact
 from pfctl.models.diffusers_vae import load_diffusers_vae
-from pfctl.verify import exact
-from pfctl.verify.exact import (
+from pfctl.models.exact_chunked import (
     LayerSyncEngine,
     exact_chunked_encode,
     group_norm_with_stats,

@@ -22,7 +22,7 @@ def _rank(rank: int, world: int, port: int, out: Path) -> None:
     gathered moments. Runs in a forked child: torch and diffusers are already imported."""
     import torch.distributed as dist
 
-    from pfctl.verify.exact import distributed_exchange, exact_chunked_encode, shard_frames
+    from pfctl.models.exact_chunked import distributed_exchange, exact_chunked_encode, shard_frames
 
     try:
         torch.set_num_threads(1)

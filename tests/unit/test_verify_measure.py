@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pfctl.models.diffusers_vae import load_diffusers_vae
-from pfctl.verify.exact import layer_synchronous_forward
+from pfctl.models.exact_chunked import layer_synchronous_forward
 from pfctl.verify.measure import (
     boundaries,
     capture_group_stats,
@@ -18,6 +18,7 @@ from pfctl.verify.measure import (
     group_norm_eps,
     latent_metrics,
     layer_drift,
+    peak_memory,
     psnr,
 )
 from pfctl.verify.synthetic import synthetic_clip
@@ -160,3 +161,21 @@ def test_synthetic_clip_has_fade_and_cut():
     assert lum[0] < lum[clip.events["fade"][1]]  # fades in from black
     steps = (lum[1:] - lum[:-1]).abs()
     assert int(steps.argmax()) + 1 == cut  # the biggest step is the cut
+
+
+class _Double(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+def test_cpu_peak_memory_counts_live_tensors_and_repeats():
+    """Two 16 MiB activations are alive at once (the first stays referenced until Sequential moves on):
+    the peak counts them, and a second run gives the same figure (allocations, not pages)."""
+    model = nn.Sequential(_Double(), _Double())
+    x = torch.ones(4 << 20)  # 16 MiB
+    runs = [peak_memory(lambda: model(x), "cpu", model) for _ in range(3)]
+    if runs[0][0] is None:
+        pytest.skip(runs[0][1])
+    peaks = [p for p, _ in runs[1:]]
+    assert all(32 << 20 <= p <= 34 << 20 for p in peaks), peaks
+    assert abs(peaks[0] - peaks[1]) <= 1 << 16
