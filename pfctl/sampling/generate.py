@@ -521,9 +521,10 @@ def sidecar_to_run(sidecar: dict[str, Any], base: Any | None = None) -> tuple[An
     gen["guidance_scale"] = sidecar["guidance_scale"]
     gen["video_guidance_scale"] = sidecar["video_guidance_scale"]
     gen["negative_prompt"] = sidecar["negative_prompt"]
-    model = base.model.model_copy(
-        update={k: sidecar["model"].get(k) for k in ("path", "variant", "vae") if k in sidecar["model"]}
-    )
+    recorded = {k: sidecar["model"].get(k) for k in ("path", "variant", "vae") if k in sidecar["model"]}
+    if recorded.get("variant") is None:  # an export or a bare DiT folder: no variant folder was loaded
+        recorded.pop("variant", None)
+    model = base.model.model_copy(update=recorded)
     generate = GenerateConfig.model_validate({**base.generate.model_dump(), **gen})
     config = base.model_copy(update={"model": model, "generate": generate})
     spec = PromptSpec(prompt=sidecar["prompt"], image=(sidecar.get("image") or {}).get("path"))
@@ -755,7 +756,7 @@ def run_generate(
         "path": str(config.model.path) if config.model.path is not None else None,
         "root": info.get("root"),
         "layout": info.get("layout"),
-        "variant": config.model.variant,
+        "variant": _loaded_variant(info),
         "vae": config.model.vae,
         "model_name": info.get("model_name"),
         "dit_class": info.get("dit_class") or type(dit).__name__,
@@ -905,6 +906,14 @@ def run_generate(
         seconds=time.perf_counter() - start,
         peak_memory_bytes=peak,
     )
+
+
+def _loaded_variant(info: dict[str, Any]) -> str | None:
+    """The variant folder the DiT was loaded from (official layout, the embedded model included); None
+    for an export or a bare DiT folder, which have no variant."""
+    if info.get("layout") != "official" or not info.get("dit_path"):
+        return None
+    return Path(info["dit_path"]).name
 
 
 def _is_ema_load(config: Any) -> bool:

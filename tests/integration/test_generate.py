@@ -93,6 +93,7 @@ def test_t2v_writes_mp4_and_sidecar_and_reproduces_from_it(model_dir, components
     assert config.generate.decode_tile == "auto"
     assert sidecar["settings"]["generate"] == {**config.generate.model_dump(mode="json"), "decode_tile": None}
     assert sidecar["model"]["layout"] == "official" and sidecar["model"]["fingerprints"]["dit"]
+    assert sidecar["model"]["variant"] == "diffusion_transformer_384p"  # make_official_folder's folder
     assert sidecar["pfctl_version"] and sidecar["mode"] == "t2v"
 
     # The sidecar round-trips: it regenerates the same video, under a new name (never overwritten).
@@ -178,6 +179,44 @@ def test_pfctl_export_uses_ema_and_its_declared_resolution(model_dir, runtime, t
     sidecar = load_sidecar(video.path)
     assert (sidecar["width"], sidecar["height"]) == (64, 64)  # declared by the export, no size given
     assert sidecar["model"]["layout"] == "export" and sidecar["model"]["use_ema"] is True
+
+
+def test_embedded_model_sidecar_names_its_own_variant(tmp_path, runtime):
+    from pfctl.models.embedded import has_embedded_model, read_manifest
+
+    if not has_embedded_model():
+        pytest.skip("no embedded default model in this installation")
+    config = load_config(None, [f"generate.output_dir={tmp_path}", "runtime.device=cpu", "generate.temp=1",
+                                "generate.num_inference_steps=[1,1,1]"])  # fmt: skip
+    (video,) = run_generate(config, ["a red circle moving right"], runtime=runtime).videos
+    sidecar = load_sidecar(video.path)
+    assert config.model.variant != read_manifest()["variant"]  # the config's default names another folder
+    assert sidecar["model"]["variant"] == read_manifest()["variant"]
+    # the sidecar regenerates from the folder it names
+    again_config, _ = sidecar_to_run(sidecar)
+    assert again_config.model.variant == read_manifest()["variant"]
+
+
+def test_export_of_the_embedded_model_generates_at_the_size_it_was_trained(tmp_path, runtime):
+    """An export fine-tuned from the embedded model on 128x64 clips declares 128x64 (its marker's
+    ``resolutions``, as the trainer writes them): the embedded model's own 64x64 does not override it."""
+    from pfctl.models.checkpoint import load_components, save_export
+    from pfctl.models.embedded import embedded_model_path, has_embedded_model, read_manifest
+
+    if not has_embedded_model():
+        pytest.skip("no embedded default model in this installation")
+    assert read_manifest()["resolution"] != [128, 64]
+    dit = load_components(None, need=("dit",), dtype=torch.float32).dit
+    export = save_export(
+        tmp_path / "export", dit, base_model_path=embedded_model_path(), extra={"resolutions": [[128, 64]]}
+    )
+    config = load_config(None, [f"model.path={export}", f"generate.output_dir={tmp_path / 'out'}",
+                                "runtime.device=cpu", "generate.temp=1", "generate.num_inference_steps=[1,1,1]"])  # fmt: skip
+    (video,) = run_generate(config, ["a red circle moving right"], runtime=runtime).videos
+    sidecar = load_sidecar(video.path)
+    assert (sidecar["width"], sidecar["height"]) == (128, 64)
+    assert sidecar["model"]["layout"] == "export" and sidecar["model"]["variant"] is None
+    assert read_video(video.path)[0].shape == (1, 64, 128, 3)
 
 
 # -- image-to-video --------------------------------------------------------------------------------
