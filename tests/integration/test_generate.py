@@ -287,14 +287,17 @@ class SplitCFG(torch.nn.Module):
 
 
 def test_batched_cfg_equals_two_separate_forwards(components):
-    from pfctl.sampling.sampler import TextConditioning, generate_latents
+    from pfctl.sampling.sampler import SamplingSettings, TextConditioning, generate_latents
 
     text = components.text_encoder
     cond = TextConditioning.from_pair(text.encode(["a red circle moving left"]), text.encode(["low quality"]))
-    kwargs = dict(
-        temp=2, height=8, width=8, num_inference_steps=[1, 1, 1], video_num_inference_steps=[1, 1, 1],
-        guidance_scale=7.0, video_guidance_scale=5.0,
-    )  # fmt: skip
+    settings = SamplingSettings(
+        num_inference_steps=(1, 1, 1),
+        video_num_inference_steps=(1, 1, 1),
+        guidance_scale=7.0,
+        video_guidance_scale=5.0,
+    )
+    kwargs = dict(settings=settings, temp=2, height=8, width=8)
     batched = generate_latents(components.dit, cond, generator=torch.Generator().manual_seed(0), **kwargs)
     split = generate_latents(
         SplitCFG(components.dit), cond, generator=torch.Generator().manual_seed(0), **kwargs

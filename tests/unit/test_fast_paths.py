@@ -13,7 +13,7 @@ import torch
 
 from helpers.tiny_models import tiny_dit
 from pfctl.sampling.cuda_graph import StageGraph, flatten_tensors, signature, unflatten_tensors
-from pfctl.sampling.sampler import TextConditioning, generate_latents
+from pfctl.sampling.sampler import SamplingSettings, TextConditioning, generate_latents
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -34,15 +34,18 @@ def _text(dit: torch.nn.Module, device: str = "cpu", seed: int = 0) -> TextCondi
     return TextConditioning(*features(4), *features(2))
 
 
-def _sample(dit: torch.nn.Module, device: str, temp: int = 3, **kwargs: object) -> torch.Tensor:
+def _sample(
+    dit: torch.nn.Module, device: str, temp: int = 3, cuda_graphs: bool = False, **kwargs: object
+) -> torch.Tensor:
     return generate_latents(
         dit,
         _text(dit, device),
+        SamplingSettings(
+            num_inference_steps=(3, 3, 3), video_num_inference_steps=(3, 2, 1), cuda_graphs=cuda_graphs
+        ),
         temp=temp,
         height=16,
         width=16,
-        num_inference_steps=[3, 3, 3],
-        video_num_inference_steps=[3, 2, 1],
         generator=torch.Generator(device).manual_seed(5),
         device=device,
         latent_channels=dit.config.in_channels // 4,
