@@ -261,7 +261,7 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
     from pfctl.config.generate import RESOLUTIONS, GenerateConfig
     from pfctl.models.checkpoint import load_dit_folder
     from pfctl.models.vae import TINY_CAUSAL_VAE_CONFIG, load_vae
-    from pfctl.sampling.generate import decode_latents, free_memory, resolve_decode_tile
+    from pfctl.sampling.decode import decode_latents, free_memory, resolve_decode_tile
     from pfctl.sampling.sampler import SamplingSettings, TextConditioning, generate_latents
 
     cuda = device.type == "cuda"

@@ -261,6 +261,17 @@ class _Step:
     cfg: bool
     on_dit_call: Callable[[dict[str, Any]], None] | None
 
+    @classmethod
+    def build(
+        cls, dit: Any, text: TextConditioning, cfg: bool, device: Any, dtype: torch.dtype, on_dit_call: Any
+    ) -> _Step:
+        embeds, mask, pooled = text.model_inputs(cfg, device, dtype)
+        # a DiT attending in row groups drops the text padding when it knows the lengths on the host (read once)
+        lengths = right_padded_lengths(mask) if getattr(dit, "skip_future_keys", False) else None
+        return cls(
+            embeds, mask, pooled, {} if lengths is None else {"text_lengths": lengths}, cfg, on_dit_call
+        )
+
 
 def _run_stage(
     call_dit: Callable[..., list[torch.Tensor]],
@@ -306,6 +317,33 @@ def _run_stage(
             )  # fmt: skip
         x = scheduler.step(v, x, sigma, sigma_next)
     return x
+
+
+def _low_noise(
+    initial_noise: torch.Tensor | None,
+    shape: tuple[int, ...],
+    generator: Any,
+    device: Any,
+    dtype: torch.dtype,
+    num_stages: int,
+) -> torch.Tensor:
+    """The lowest stage of the full-resolution noise (given, or drawn from ``generator``)."""
+    if initial_noise is None:
+        gen_device = generator.device if generator is not None else device
+        initial_noise = torch.randn(shape, generator=generator, device=gen_device, dtype=dtype)
+    elif tuple(initial_noise.shape) != shape:
+        raise InputError(f"initial_noise has shape {list(initial_noise.shape)}, expected {list(shape)}")
+    return pyramid_noise(initial_noise.to(device=device, dtype=dtype), num_stages)[0]
+
+
+def _image_unit(
+    image_latent: torch.Tensor, shape: tuple[int, ...], device: Any, dtype: torch.dtype
+) -> torch.Tensor:
+    """The i2v unit 0, checked against the video's shape."""
+    want = [*shape[:2], 1, *shape[3:]]
+    if list(image_latent.shape) != want:
+        raise InputError(f"image_latent has shape {list(image_latent.shape)}, expected {want}")
+    return image_latent.to(device=device, dtype=dtype)
 
 
 @torch.no_grad()
@@ -356,32 +394,13 @@ def generate_latents(
     if device is None:
         device = text.prompt_embeds.device
     cuda_graphs = settings.cuda_graphs and torch.device(device).type == "cuda"
-    batch = text.batch_size
-    shape = (batch, latent_channels, int(temp), int(height), int(width))
+    shape = (text.batch_size, latent_channels, int(temp), int(height), int(width))
 
-    if initial_noise is None:
-        gen_device = generator.device if generator is not None else device
-        initial_noise = torch.randn(shape, generator=generator, device=gen_device, dtype=dtype)
-    elif tuple(initial_noise.shape) != shape:
-        raise InputError(f"initial_noise has shape {list(initial_noise.shape)}, expected {list(shape)}")
-    low_noise = pyramid_noise(initial_noise.to(device=device, dtype=dtype), plan.num_stages)[0]
-
+    low_noise = _low_noise(initial_noise, shape, generator, device, dtype, plan.num_stages)
     cfg = settings.guidance_scale > 0
-    embeds, mask, pooled = text.model_inputs(cfg, device, dtype)
-    # a DiT attending in row groups drops the text padding when it knows the lengths on the host (read once)
-    lengths = right_padded_lengths(mask) if getattr(dit, "skip_future_keys", False) else None
-    inputs = _Step(
-        embeds, mask, pooled, {} if lengths is None else {"text_lengths": lengths}, cfg, on_dit_call
-    )
+    inputs = _Step.build(dit, text, cfg, device, dtype, on_dit_call)
     next_block_noise = _block_noise_fn(block_noises, scheduler, generator, device)
-
-    generated = []
-    if i2v:
-        if tuple(image_latent.shape) != (batch, latent_channels, 1, height, width):
-            raise InputError(
-                f"image_latent has shape {list(image_latent.shape)}, expected {[batch, latent_channels, 1, height, width]}"
-            )
-        generated = [image_latent.to(device=device, dtype=dtype)]
+    generated = [] if image_latent is None else [_image_unit(image_latent, shape, device, dtype)]
 
     for unit in range(plan.first_unit, plan.num_units):
         history = _history(generated, plan.num_stages, unit, fpu, cfg)

@@ -17,14 +17,9 @@ import torch
 from pfctl.config import load_config
 from pfctl.config.generate import PromptSpec
 from pfctl.errors import ConfigError, InputError, ModelLoadError
-from pfctl.sampling.generate import (
-    decode_latents,
-    encode_image_latent,
-    load_sidecar,
-    prepare_image,
-    run_generate,
-    sidecar_to_run,
-)
+from pfctl.sampling.decode import decode_latents, encode_image_latent, prepare_image
+from pfctl.sampling.generate import run_generate
+from pfctl.sampling.sidecar import load_sidecar, sidecar_to_run
 
 FAST = [
     "generate.width=64",
@@ -451,7 +446,7 @@ def test_i2v_image_preprocessing_parity(refdir, reference_vae, tmp_path):
 
 
 def test_decode_tile_auto_tiles_only_when_the_untiled_decode_would_not_fit() -> None:
-    from pfctl.sampling.generate import AUTO_TILE, UNTILED_DECODE_BYTES_PER_PIXEL, resolve_decode_tile
+    from pfctl.sampling.decode import AUTO_TILE, UNTILED_DECODE_BYTES_PER_PIXEL, resolve_decode_tile
 
     fixed, per_frame = UNTILED_DECODE_BYTES_PER_PIXEL
     need_w1 = (fixed + per_frame) * 384 * 640  # bf16, window 1
@@ -467,3 +462,34 @@ def test_decode_tile_auto_tiles_only_when_the_untiled_decode_would_not_fit() -> 
     assert resolve("auto", available=int(need_w1 / 0.8) + 1) is None
     assert resolve("auto", window=16, available=3 * need_w1) == AUTO_TILE  # wider windows need more
     assert resolve("auto", dtype=torch.float32, available=int(1.5 * need_w1 / 0.8)) == AUTO_TILE
+
+
+def test_offload_brings_each_phase_its_parts_and_takes_them_back():
+    """``generate.offload``: the DiT is on the device for the run, a phase's parts visit it and leave, and
+    the decode phase sends the DiT away while the VAE is there; disabled, nothing moves."""
+    from pfctl.sampling.generate import Offload
+
+    moves: list[tuple[str, str]] = []
+
+    class Part:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def to(self, device: object) -> None:
+            moves.append((self.name, str(device)))
+
+    device = torch.device("meta")
+    parts = {"dit": Part("dit"), "vae": Part("vae"), "text": Part("text")}
+    with Offload(device, False, **parts) as off, off.using("vae", evict=["dit"]):
+        pass
+    assert moves == []
+    with Offload(device, True, **parts) as off:
+        assert moves == [("dit", "meta")]
+        with off.using("text"):
+            assert moves[-1] == ("text", "meta")
+        assert moves[-1] == ("text", "cpu")
+        moves.clear()
+        with off.using("vae", evict=["dit"]):
+            assert moves == [("dit", "cpu"), ("vae", "meta")]
+        assert moves[2:] == [("vae", "cpu"), ("dit", "meta")]
+    assert moves[-1] == ("dit", "cpu")

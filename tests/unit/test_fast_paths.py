@@ -473,7 +473,7 @@ def test_fused_linear_products_on_cuda_match_the_pytorch_ops(monkeypatch) -> Non
 
 @gpu
 def test_host_frames_copies_cuda_frames_through_pinned_memory() -> None:
-    from pfctl.sampling.generate import host_frames
+    from pfctl.sampling.decode import host_frames
 
     frames = torch.randint(0, 256, (9, 16, 24, 3), dtype=torch.uint8, device="cuda")
     first, second = host_frames(frames), host_frames(frames.flip(0))
@@ -483,7 +483,7 @@ def test_host_frames_copies_cuda_frames_through_pinned_memory() -> None:
 
 
 def test_host_frames_of_cpu_frames_share_their_memory() -> None:
-    from pfctl.sampling.generate import host_frames
+    from pfctl.sampling.decode import host_frames
 
     frames = torch.zeros(2, 4, 4, 3, dtype=torch.uint8)
     host_frames(frames)[0, 0, 0, 0] = 7
