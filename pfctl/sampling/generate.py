@@ -459,8 +459,8 @@ def _sample(run: _Run, job: _Job, text: TextConditioning, on_call: Any) -> tuple
     return latents, image_latent, image_info
 
 
-def _decode(run: _Run, latents: torch.Tensor) -> tuple[np.ndarray, int | None]:
-    """Step 5: latents → uint8 frames (T, H, W, 3) on the host, and the decode tile used."""
+def _decode(run: _Run, latents: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    """Step 5: latents → uint8 frames (B, T, H, W, 3) on the device, and the decode tile used."""
     gen, m = run.gen, run.model
     with run.offload.using("vae", evict=["dit"]):
         tile = resolve_decode_tile(
@@ -474,7 +474,7 @@ def _decode(run: _Run, latents: torch.Tensor) -> tuple[np.ndarray, int | None]:
         _, frames = decode_latents(
             m.vae, latents, chunking=gen.decode_chunking, window=gen.decode_window, tile=tile
         )
-    return host_frames(frames[0]), tile
+    return frames, tile
 
 
 def _generate_video(
@@ -499,7 +499,7 @@ def _generate_video(
     result = _write_outputs(
         # the sidecar records the tile size used, so a re-run decodes the same way
         config=m.config.model_copy(update={"generate": run.gen.model_copy(update={"decode_tile": tile})}),
-        job=job, frames=frames, latents=latents, prompt_used=prompt_used, width=m.width, height=m.height,
+        job=job, frames=host_frames(frames[0]), latents=latents, prompt_used=prompt_used, width=m.width, height=m.height,
         output_dir=run.output_dir, image_info=image_info, model_info=m.record,
         runtime_info=run.runtime_info, timing={"sample": round(t_sample, 3), "decode": round(t_decode, 3)},
         keep_latents=run.keep_latents, image_latent=image_latent, seconds=time.perf_counter() - t0,
