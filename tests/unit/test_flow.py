@@ -258,3 +258,26 @@ def test_guidance_schedule():
     )
     assert fixed == [7, 5, 3.5, 3]
     assert math.isclose(guidance_schedule(1, guidance_scale=7, video_guidance_scale=5)[0], 7)
+
+
+def test_sampling_settings_take_every_sampler_setting_of_the_config():
+    from dataclasses import fields
+
+    from pfctl.config import load_config
+
+    gen = load_config(
+        None,
+        ["generate.num_inference_steps=[3,2,1]", "generate.video_num_inference_steps=[4,4,2]",
+         "generate.guidance_scale=6.5", "generate.video_guidance_scale=4.5", "generate.use_linear_guidance=true",
+         "generate.alpha=0.25", "generate.min_guidance_scale=1.5", "generate.exact_stage_end=true",
+         "generate.reference_compat=true", "generate.cuda_graphs=false"],
+    ).generate  # fmt: skip
+    settings = SamplingSettings.from_config(gen)
+    assert (settings.num_inference_steps, settings.video_num_inference_steps) == ((3, 2, 1), (4, 4, 2))
+    for f in fields(settings):
+        if f.name in type(gen).model_fields and f.name not in (
+            "num_inference_steps",
+            "video_num_inference_steps",
+        ):
+            assert getattr(settings, f.name) == getattr(gen, f.name), f.name
+    assert (settings.alpha, settings.exact_stage_end, settings.cuda_graphs) == (0.25, True, False)
