@@ -13,7 +13,19 @@ from pfctl.config.generate import RESOLUTIONS, GenerateConfig
 from pfctl.errors import ConfigError, ModelLoadError
 from pfctl.runtime import logging as pflog
 
-__all__ = ["SIZE_MULTIPLE", "declared_sizes", "resolve_size"]
+__all__ = [
+    "SIZE_MULTIPLE",
+    "adapter_fingerprint",
+    "apply_adapters",
+    "declared_sizes",
+    "is_ema_load",
+    "load_model",
+    "loaded_variant",
+    "read_adapters",
+    "resolve_dtype",
+    "resolve_size",
+    "with_lora_base",
+]
 
 SIZE_MULTIPLE = 64
 """Pixel sizes must be multiples of 8 (VAE) x 4 (two pyramid halvings) x 2 (DiT patch)."""

@@ -19,6 +19,8 @@ __all__ = [
     "load_sidecar",
     "sidecar_path",
     "sidecar_to_run",
+    "taken",
+    "video_stem",
 ]
 
 SIDECAR_FORMAT = "pfctl-generate-sidecar"
