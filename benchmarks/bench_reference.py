@@ -261,8 +261,8 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
     from pfctl.config.generate import RESOLUTIONS, GenerateConfig
     from pfctl.models.checkpoint import load_dit_folder
     from pfctl.models.vae import TINY_CAUSAL_VAE_CONFIG, load_vae
-    from pfctl.sampling.generate import decode_latents, free_memory, resolve_decode_tile
-    from pfctl.sampling.sampler import TextConditioning, generate_latents
+    from pfctl.sampling.decode import decode_latents, free_memory, resolve_decode_tile
+    from pfctl.sampling.sampler import SamplingSettings, TextConditioning, generate_latents
 
     cuda = device.type == "cuda"
     temp = args.temp or (16 if cuda else 3)
@@ -330,17 +330,15 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
         dit.compile_blocks(dynamic=None)
     vae = load_vae(str(folder / "causal_video_vae"), dtype=dtype, device=device)
     conditioning = TextConditioning.from_pair(positive, negative)
-    common = dict(
-        temp=temp,
-        height=height // 8,
-        width=width // 8,
-        num_inference_steps=steps[0],
-        video_num_inference_steps=steps[1],
+    settings = SamplingSettings(
+        num_inference_steps=tuple(steps[0]),
+        video_num_inference_steps=tuple(steps[1]),
         guidance_scale=cfg[0],
         video_guidance_scale=cfg[1],
-        dtype=dtype,
-        device=device,
         cuda_graphs=not args.no_cuda_graphs,
+    )
+    common = dict(
+        settings=settings, temp=temp, height=height // 8, width=width // 8, dtype=dtype, device=device
     )
     if cuda and not args.no_cuda_graphs:
         from pfctl.sampling.cuda_graph import StageGraph

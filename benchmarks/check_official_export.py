@@ -96,15 +96,18 @@ def reference_latents(Reference: type, folder: Path, text) -> tuple[torch.Tensor
 
 def pfctl_latents(folder: Path, text, noise: dict) -> torch.Tensor:
     from pfctl.models.checkpoint import load_components
-    from pfctl.sampling.sampler import TextConditioning, generate_latents
+    from pfctl.sampling.sampler import SamplingSettings, TextConditioning, generate_latents
 
     dit = load_components(folder, variant=VARIANT, need=("dit",), dtype=torch.float32).dit
     conditioning = TextConditioning.from_pair(text.encode([PROMPT]), text.encode([""]))
     with torch.no_grad():
+        settings = SamplingSettings(
+            num_inference_steps=tuple(STEPS), video_num_inference_steps=tuple(STEPS), guidance_scale=CFG[0],
+            video_guidance_scale=CFG[1],
+        )  # fmt: skip
         return generate_latents(
-            dit, conditioning, temp=TEMP, height=SIZE // 8, width=SIZE // 8, num_inference_steps=STEPS,
-            video_num_inference_steps=STEPS, guidance_scale=CFG[0], video_guidance_scale=CFG[1],
-            dtype=torch.float32, device="cpu", initial_noise=noise["initial"], block_noises=noise["blocks"],
+            dit, conditioning, settings, temp=TEMP, height=SIZE // 8, width=SIZE // 8, dtype=torch.float32,
+            device="cpu", initial_noise=noise["initial"], block_noises=noise["blocks"],
         )  # fmt: skip
 
 

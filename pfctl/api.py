@@ -59,17 +59,22 @@ def generate(
     prompts: Sequence[str | PromptSpec] | str | None = None,
     *,
     image: str | None = None,
-    **options: Any,
+    components: Any = None,
+    runtime: Any = None,
+    keep_latents: bool = False,
 ) -> GenerateReport:
     """Text-to-video / image-to-video with the pyramid sampler, writing mp4 files + JSON sidecars.
 
     ``prompts``: strings or :class:`pfctl.config.generate.PromptSpec` (per-prompt overrides);
-    ``image``: a first frame for image-to-video. See :func:`pfctl.sampling.generate.run_generate`
-    for ``options`` (e.g. ``components=`` to pass already loaded models).
+    ``image``: a first frame for image-to-video; ``components``: already loaded models
+    (:class:`pfctl.models.checkpoint.Components`); ``runtime``: an existing runtime; ``keep_latents``:
+    return each video's latents. See :func:`pfctl.sampling.generate.run_generate`.
     """
     from pfctl.sampling.generate import run_generate
 
-    return run_generate(config, prompts, image=image, **options)
+    return run_generate(
+        config, prompts, image=image, components=components, runtime=runtime, keep_latents=keep_latents
+    )
 
 
 def verify_groupnorm(config: RecipeConfig, **options: Any) -> Any:

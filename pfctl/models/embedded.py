@@ -203,7 +203,9 @@ def generate_defaults_for(info: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(embedded, Mapping):
         defaults = dict(embedded.get("generate") or {})
     elif is_embedded_root(info.get("base_model_path")):
-        defaults = dict(read_manifest().get("generate") or {})
+        # an export fine-tuned from it: its size is the one it was trained at (its marker), not the model's
+        generate = read_manifest().get("generate") or {}
+        defaults = {k: v for k, v in generate.items() if k not in _SIZE_KEYS}
     else:
         return {}
     return defaults

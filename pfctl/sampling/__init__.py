@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from pfctl.sampling.sampler import TextConditioning, generate_latents, guidance_schedule
+from pfctl.sampling.sampler import SamplingSettings, TextConditioning, generate_latents, guidance_schedule
 
-__all__ = ["TextConditioning", "generate_latents", "guidance_schedule"]
+__all__ = ["SamplingSettings", "TextConditioning", "generate_latents", "guidance_schedule"]

@@ -72,8 +72,15 @@ def cache_normalizer(cache: Any) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def cache_vae_info(cache: Any) -> dict[str, Any]:
-    """What the export records about the latents it was trained on (generate needs a matching VAE)."""
-    return {"vae": cache.vae, "cache_fingerprint": cache.fingerprint}
+    """What the export records about the latents it was trained on: the VAE (generate needs a matching
+    one) and the clips' pixel sizes [width, height], most frequent first (generate's default size)."""
+    factor = int(cache.vae.get("spatial_factor", 8))
+    sizes: dict[tuple[int, int], int] = {}
+    for row in cache.items():
+        size = (int(row["width"]) * factor, int(row["height"]) * factor)
+        sizes[size] = sizes.get(size, 0) + 1
+    resolutions = [list(size) for size, _ in sorted(sizes.items(), key=lambda item: (-item[1], item[0]))]
+    return {"vae": cache.vae, "cache_fingerprint": cache.fingerprint, "resolutions": resolutions}
 
 
 def check_cache_matches_model(cache: Any, model: torch.nn.Module) -> None:

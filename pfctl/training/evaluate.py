@@ -23,7 +23,7 @@ def sample_validation(
     time, so samples of successive steps are comparable. Under FSDP every rank takes part (``dit`` is
     then the sharded module); otherwise only the main process samples (the others return None).
     """
-    from pfctl.sampling.sampler import TextConditioning, generate_latents
+    from pfctl.sampling.sampler import SamplingSettings, TextConditioning, generate_latents
     from pfctl.utils.io import atomic_save_safetensors
 
     cfg, rt, cache = config.train, runtime, data.cache
@@ -41,8 +41,8 @@ def sample_validation(
                 text["prompt_embeds"].float(), text["prompt_attention_mask"].long(), text["pooled_prompt_embeds"].float(),
                 null["prompt_embeds"].float(), null["prompt_attention_mask"].long(), null["pooled_prompt_embeds"].float(),
             ),
+            SamplingSettings(num_inference_steps=10, video_num_inference_steps=10),
             temp=cfg.validation_units, height=int(first["height"]), width=int(first["width"]),
-            num_inference_steps=10, video_num_inference_steps=10,
             generator=torch.Generator(device=rt.device).manual_seed(rt.seed), device=rt.device,
             latent_channels=int(first.get("latent_channels", 16)),
         )  # fmt: skip

@@ -17,14 +17,9 @@ import torch
 from pfctl.config import load_config
 from pfctl.config.generate import PromptSpec
 from pfctl.errors import ConfigError, InputError, ModelLoadError
-from pfctl.sampling.generate import (
-    decode_latents,
-    encode_image_latent,
-    load_sidecar,
-    prepare_image,
-    run_generate,
-    sidecar_to_run,
-)
+from pfctl.sampling.decode import decode_latents, encode_image_latent, prepare_image
+from pfctl.sampling.generate import run_generate
+from pfctl.sampling.sidecar import load_sidecar, sidecar_to_run
 
 FAST = [
     "generate.width=64",
@@ -93,6 +88,7 @@ def test_t2v_writes_mp4_and_sidecar_and_reproduces_from_it(model_dir, components
     assert config.generate.decode_tile == "auto"
     assert sidecar["settings"]["generate"] == {**config.generate.model_dump(mode="json"), "decode_tile": None}
     assert sidecar["model"]["layout"] == "official" and sidecar["model"]["fingerprints"]["dit"]
+    assert sidecar["model"]["variant"] == "diffusion_transformer_384p"  # make_official_folder's folder
     assert sidecar["pfctl_version"] and sidecar["mode"] == "t2v"
 
     # The sidecar round-trips: it regenerates the same video, under a new name (never overwritten).
@@ -180,6 +176,44 @@ def test_pfctl_export_uses_ema_and_its_declared_resolution(model_dir, runtime, t
     assert sidecar["model"]["layout"] == "export" and sidecar["model"]["use_ema"] is True
 
 
+def test_embedded_model_sidecar_names_its_own_variant(tmp_path, runtime):
+    from pfctl.models.embedded import has_embedded_model, read_manifest
+
+    if not has_embedded_model():
+        pytest.skip("no embedded default model in this installation")
+    config = load_config(None, [f"generate.output_dir={tmp_path}", "runtime.device=cpu", "generate.temp=1",
+                                "generate.num_inference_steps=[1,1,1]"])  # fmt: skip
+    (video,) = run_generate(config, ["a red circle moving right"], runtime=runtime).videos
+    sidecar = load_sidecar(video.path)
+    assert config.model.variant != read_manifest()["variant"]  # the config's default names another folder
+    assert sidecar["model"]["variant"] == read_manifest()["variant"]
+    # the sidecar regenerates from the folder it names
+    again_config, _ = sidecar_to_run(sidecar)
+    assert again_config.model.variant == read_manifest()["variant"]
+
+
+def test_export_of_the_embedded_model_generates_at_the_size_it_was_trained(tmp_path, runtime):
+    """An export fine-tuned from the embedded model on 128x64 clips declares 128x64 (its marker's
+    ``resolutions``, as the trainer writes them): the embedded model's own 64x64 does not override it."""
+    from pfctl.models.checkpoint import load_components, save_export
+    from pfctl.models.embedded import embedded_model_path, has_embedded_model, read_manifest
+
+    if not has_embedded_model():
+        pytest.skip("no embedded default model in this installation")
+    assert read_manifest()["resolution"] != [128, 64]
+    dit = load_components(None, need=("dit",), dtype=torch.float32).dit
+    export = save_export(
+        tmp_path / "export", dit, base_model_path=embedded_model_path(), extra={"resolutions": [[128, 64]]}
+    )
+    config = load_config(None, [f"model.path={export}", f"generate.output_dir={tmp_path / 'out'}",
+                                "runtime.device=cpu", "generate.temp=1", "generate.num_inference_steps=[1,1,1]"])  # fmt: skip
+    (video,) = run_generate(config, ["a red circle moving right"], runtime=runtime).videos
+    sidecar = load_sidecar(video.path)
+    assert (sidecar["width"], sidecar["height"]) == (128, 64)
+    assert sidecar["model"]["layout"] == "export" and sidecar["model"]["variant"] is None
+    assert read_video(video.path)[0].shape == (1, 64, 128, 3)
+
+
 # -- image-to-video --------------------------------------------------------------------------------
 
 
@@ -248,14 +282,17 @@ class SplitCFG(torch.nn.Module):
 
 
 def test_batched_cfg_equals_two_separate_forwards(components):
-    from pfctl.sampling.sampler import TextConditioning, generate_latents
+    from pfctl.sampling.sampler import SamplingSettings, TextConditioning, generate_latents
 
     text = components.text_encoder
     cond = TextConditioning.from_pair(text.encode(["a red circle moving left"]), text.encode(["low quality"]))
-    kwargs = dict(
-        temp=2, height=8, width=8, num_inference_steps=[1, 1, 1], video_num_inference_steps=[1, 1, 1],
-        guidance_scale=7.0, video_guidance_scale=5.0,
-    )  # fmt: skip
+    settings = SamplingSettings(
+        num_inference_steps=(1, 1, 1),
+        video_num_inference_steps=(1, 1, 1),
+        guidance_scale=7.0,
+        video_guidance_scale=5.0,
+    )
+    kwargs = dict(settings=settings, temp=2, height=8, width=8)
     batched = generate_latents(components.dit, cond, generator=torch.Generator().manual_seed(0), **kwargs)
     split = generate_latents(
         SplitCFG(components.dit), cond, generator=torch.Generator().manual_seed(0), **kwargs
@@ -409,7 +446,7 @@ def test_i2v_image_preprocessing_parity(refdir, reference_vae, tmp_path):
 
 
 def test_decode_tile_auto_tiles_only_when_the_untiled_decode_would_not_fit() -> None:
-    from pfctl.sampling.generate import AUTO_TILE, UNTILED_DECODE_BYTES_PER_PIXEL, resolve_decode_tile
+    from pfctl.sampling.decode import AUTO_TILE, UNTILED_DECODE_BYTES_PER_PIXEL, resolve_decode_tile
 
     fixed, per_frame = UNTILED_DECODE_BYTES_PER_PIXEL
     need_w1 = (fixed + per_frame) * 384 * 640  # bf16, window 1
@@ -425,3 +462,34 @@ def test_decode_tile_auto_tiles_only_when_the_untiled_decode_would_not_fit() -> 
     assert resolve("auto", available=int(need_w1 / 0.8) + 1) is None
     assert resolve("auto", window=16, available=3 * need_w1) == AUTO_TILE  # wider windows need more
     assert resolve("auto", dtype=torch.float32, available=int(1.5 * need_w1 / 0.8)) == AUTO_TILE
+
+
+def test_offload_brings_each_phase_its_parts_and_takes_them_back():
+    """``generate.offload``: the DiT is on the device for the run, a phase's parts visit it and leave, and
+    the decode phase sends the DiT away while the VAE is there; disabled, nothing moves."""
+    from pfctl.sampling.generate import Offload
+
+    moves: list[tuple[str, str]] = []
+
+    class Part:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def to(self, device: object) -> None:
+            moves.append((self.name, str(device)))
+
+    device = torch.device("meta")
+    parts = {"dit": Part("dit"), "vae": Part("vae"), "text": Part("text")}
+    with Offload(device, False, **parts) as off, off.using("vae", evict=["dit"]):
+        pass
+    assert moves == []
+    with Offload(device, True, **parts) as off:
+        assert moves == [("dit", "meta")]
+        with off.using("text"):
+            assert moves[-1] == ("text", "meta")
+        assert moves[-1] == ("text", "cpu")
+        moves.clear()
+        with off.using("vae", evict=["dit"]):
+            assert moves == [("dit", "cpu"), ("vae", "meta")]
+        assert moves[2:] == [("vae", "cpu"), ("dit", "meta")]
+    assert moves[-1] == ("dit", "cpu")

@@ -80,8 +80,20 @@ def test_loss_goes_down_and_everything_is_logged(tmp_path: Path) -> None:
     from pfctl.models.checkpoint import load_components
 
     parts = load_components(out / "export", need=("dit",), dtype=torch.float32)
+    assert parts.info["export"]["extra"]["resolutions"] == [[64, 64]]  # 8x8 latents
     final = weights(out / "checkpoints" / "step-000020" / "model")
     assert all(torch.equal(v, final[k]) for k, v in parts.dit.state_dict().items())
+
+
+def test_export_records_the_pixel_sizes_it_was_trained_on(tmp_path: Path) -> None:
+    """The export marker's ``resolutions`` (what ``generate`` takes as the model's size) are the clips'
+    pixel sizes: latent size x the VAE's spatial factor, here 16x8 latents → 128x64."""
+    from pfctl.training.trainer import cache_vae_info, open_cache
+
+    root = tmp_path / "wide"
+    write_synthetic_cache(str(root), [2, 3], height=8, width=16, seed=0)
+    info = cache_vae_info(open_cache(str(root)))
+    assert info["resolutions"] == [[128, 64]]
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers.parity import reference_flux_dit, rel_error
-from pfctl.sampling.sampler import TextConditioning, generate_latents
+from pfctl.sampling.sampler import SamplingSettings, TextConditioning, generate_latents
 
 pytestmark = pytest.mark.parity
 
@@ -42,24 +42,31 @@ def _kwargs(tensors: dict, meta: dict) -> dict:
     i2v = "image_latent" in tensors
     steps = call["num_inference_steps"]
     n_block = sum(1 for k in tensors if k.startswith("block_noise."))
+    settings = SamplingSettings(
+        num_inference_steps=_as_steps(steps),
+        # the reference i2v has no video steps argument: every unit uses num_inference_steps
+        video_num_inference_steps=_as_steps(steps if i2v else call["video_num_inference_steps"]),
+        guidance_scale=call["guidance_scale"],
+        video_guidance_scale=call["video_guidance_scale"],
+        use_linear_guidance=call["use_linear_guidance"],
+        alpha=call["alpha"],
+        min_guidance_scale=call["min_guidance_scale"],
+        reference_compat=True,
+    )
     return {
+        "settings": settings,
         "temp": call["temp"],
         "height": noise.shape[-2],
         "width": noise.shape[-1],
-        "num_inference_steps": steps,
-        # the reference i2v has no video steps argument: every unit uses num_inference_steps
-        "video_num_inference_steps": steps if i2v else call["video_num_inference_steps"],
-        "guidance_scale": call["guidance_scale"],
-        "video_guidance_scale": call["video_guidance_scale"],
-        "use_linear_guidance": call["use_linear_guidance"],
-        "alpha": call["alpha"],
-        "min_guidance_scale": call["min_guidance_scale"],
         "initial_noise": noise,
         "block_noises": [tensors[f"block_noise.{i}"] for i in range(n_block)],
         "image_latent": tensors.get("image_latent"),
-        "reference_compat": True,
         "latent_channels": noise.shape[1],
     }
+
+
+def _as_steps(steps: int | list[int]) -> int | tuple[int, ...]:
+    return steps if isinstance(steps, int) else tuple(steps)
 
 
 def _text(tensors: dict) -> TextConditioning:

@@ -13,7 +13,7 @@ import torch
 
 from helpers.tiny_models import tiny_dit
 from pfctl.sampling.cuda_graph import StageGraph, flatten_tensors, signature, unflatten_tensors
-from pfctl.sampling.sampler import TextConditioning, generate_latents
+from pfctl.sampling.sampler import SamplingSettings, TextConditioning, generate_latents
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -34,15 +34,18 @@ def _text(dit: torch.nn.Module, device: str = "cpu", seed: int = 0) -> TextCondi
     return TextConditioning(*features(4), *features(2))
 
 
-def _sample(dit: torch.nn.Module, device: str, temp: int = 3, **kwargs: object) -> torch.Tensor:
+def _sample(
+    dit: torch.nn.Module, device: str, temp: int = 3, cuda_graphs: bool = False, **kwargs: object
+) -> torch.Tensor:
     return generate_latents(
         dit,
         _text(dit, device),
+        SamplingSettings(
+            num_inference_steps=(3, 3, 3), video_num_inference_steps=(3, 2, 1), cuda_graphs=cuda_graphs
+        ),
         temp=temp,
         height=16,
         width=16,
-        num_inference_steps=[3, 3, 3],
-        video_num_inference_steps=[3, 2, 1],
         generator=torch.Generator(device).manual_seed(5),
         device=device,
         latent_channels=dit.config.in_channels // 4,
@@ -470,7 +473,7 @@ def test_fused_linear_products_on_cuda_match_the_pytorch_ops(monkeypatch) -> Non
 
 @gpu
 def test_host_frames_copies_cuda_frames_through_pinned_memory() -> None:
-    from pfctl.sampling.generate import host_frames
+    from pfctl.sampling.decode import host_frames
 
     frames = torch.randint(0, 256, (9, 16, 24, 3), dtype=torch.uint8, device="cuda")
     first, second = host_frames(frames), host_frames(frames.flip(0))
@@ -480,7 +483,7 @@ def test_host_frames_copies_cuda_frames_through_pinned_memory() -> None:
 
 
 def test_host_frames_of_cpu_frames_share_their_memory() -> None:
-    from pfctl.sampling.generate import host_frames
+    from pfctl.sampling.decode import host_frames
 
     frames = torch.zeros(2, 4, 4, 3, dtype=torch.uint8)
     host_frames(frames)[0, 0, 0, 0] = 7

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from pfctl.flow.pyramid import (
 )
 from pfctl.flow.scheduler import PyramidFlowScheduler, block_noise
 from pfctl.models.vae import FLUX_LATENT_NORM, denormalize_latents, normalize_latents
-from pfctl.sampling.sampler import TextConditioning, generate_latents, guidance_schedule
+from pfctl.sampling.sampler import SamplingSettings, TextConditioning, generate_latents, guidance_schedule
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
@@ -194,8 +195,11 @@ def _text(b=1, seed=0):
     return TextConditioning(*mk(), *mk())
 
 
+STEPS = SamplingSettings(num_inference_steps=(2, 2, 2), video_num_inference_steps=(1, 1, 1))
+
+
 def _gen_kwargs():
-    return dict(temp=3, height=8, width=8, num_inference_steps=[2, 2, 2], video_num_inference_steps=[1, 1, 1])
+    return dict(settings=STEPS, temp=3, height=8, width=8)
 
 
 def test_sampling_given_noise_is_deterministic():
@@ -231,9 +235,8 @@ def test_sampling_exact_stage_end_runs_n_full_steps():
         TinyDiT(),
         _text(),
         generator=torch.Generator().manual_seed(0),
-        exact_stage_end=True,
         on_dit_call=lambda info: calls.append((info["sigma"], info["sigma_next"])),
-        **_gen_kwargs(),
+        **{**_gen_kwargs(), "settings": replace(STEPS, exact_stage_end=True)},
     )
     assert calls[:2] == [(1.0, 0.5), (0.5, 0.0)]
 
@@ -255,3 +258,26 @@ def test_guidance_schedule():
     )
     assert fixed == [7, 5, 3.5, 3]
     assert math.isclose(guidance_schedule(1, guidance_scale=7, video_guidance_scale=5)[0], 7)
+
+
+def test_sampling_settings_take_every_sampler_setting_of_the_config():
+    from dataclasses import fields
+
+    from pfctl.config import load_config
+
+    gen = load_config(
+        None,
+        ["generate.num_inference_steps=[3,2,1]", "generate.video_num_inference_steps=[4,4,2]",
+         "generate.guidance_scale=6.5", "generate.video_guidance_scale=4.5", "generate.use_linear_guidance=true",
+         "generate.alpha=0.25", "generate.min_guidance_scale=1.5", "generate.exact_stage_end=true",
+         "generate.reference_compat=true", "generate.cuda_graphs=false"],
+    ).generate  # fmt: skip
+    settings = SamplingSettings.from_config(gen)
+    assert (settings.num_inference_steps, settings.video_num_inference_steps) == ((3, 2, 1), (4, 4, 2))
+    for f in fields(settings):
+        if f.name in type(gen).model_fields and f.name not in (
+            "num_inference_steps",
+            "video_num_inference_steps",
+        ):
+            assert getattr(settings, f.name) == getattr(gen, f.name), f.name
+    assert (settings.alpha, settings.exact_stage_end, settings.cuda_graphs) == (0.25, True, False)
