@@ -88,7 +88,7 @@ def test_loss_goes_down_and_everything_is_logged(tmp_path: Path) -> None:
 def test_export_records_the_pixel_sizes_it_was_trained_on(tmp_path: Path) -> None:
     """The export marker's ``resolutions`` (what ``generate`` takes as the model's size) are the clips'
     pixel sizes: latent size x the VAE's spatial factor, here 16x8 latents → 128x64."""
-    from pfctl.training.trainer import cache_vae_info, open_cache
+    from pfctl.training.data import cache_vae_info, open_cache
 
     root = tmp_path / "wide"
     write_synthetic_cache(str(root), [2, 3], height=8, width=16, seed=0)
