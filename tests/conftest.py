@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -27,6 +28,19 @@ def refdir() -> Path:
             "reference vectors not found: set PFCTL_REFERENCE_DIR (default ../shared/reference/pyramid_flow)"
         )
     return path
+
+
+def _no_trace_records(record: logging.LogRecord) -> bool:
+    return False
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep failure reports readable: torch's structured-trace logger ``torch.__trace`` is always at DEBUG
+    and does not propagate, and pytest >= 8 attaches its capture handlers to every non-propagating logger,
+    so each failure after a ``torch.compile`` listed hundreds of empty ``DEBUG torch.__trace`` lines (their
+    payload is meant for TORCH_TRACE files). Those records are dropped unless TORCH_TRACE asks for them."""
+    if not os.environ.get("TORCH_TRACE"):
+        logging.getLogger("torch.__trace").addFilter(_no_trace_records)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import traceback
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -26,46 +27,50 @@ def _stderr(message: str) -> None:
 def command_errors() -> Iterator[None]:
     """Turn expected failures into one clear line and the documented exit code.
 
-    0 ok, 1 a check failed, 2 usage error / bad input. A traceback is shown only with
-    ``--debug`` (or ``PFCTL_DEBUG=1``); unexpected errors exit 1 with a pointer to it.
+    0 ok, 1 a check failed, 2 usage error / bad input. ``--debug`` (or ``PFCTL_DEBUG=1``) adds the
+    traceback above that line; the exit code stays the same. Unexpected errors exit 1 with a pointer
+    to ``--debug``.
     """
     rank = os.environ.get("RANK")
     where = f" on rank {rank}" if rank is not None and world_size_env() > 1 else ""
     try:
         yield
-    except PfctlError as exc:
-        if STATE["debug"]:
-            raise
-        _stderr(f"error{where}: {exc.message}")
-        if exc.hint:
-            _stderr(f"  hint: {exc.hint}")
-        raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         _stderr("interrupted")
         raise typer.Exit(130) from None
     except (typer.Exit, typer.Abort, SystemExit):
         raise
-    except OSError as exc:
+    except Exception as exc:
         if STATE["debug"]:
-            raise
-        if exc.errno not in _OS_ERRORS:
-            _internal(exc, where)
+            sys.stderr.write(traceback.format_exc())
+            sys.stderr.flush()
+        raise typer.Exit(_report(exc, where)) from None
+
+
+def _report(exc: Exception, where: str) -> int:
+    """Print ``exc`` as one line (+ a hint) and return its exit code."""
+    if isinstance(exc, PfctlError):
+        _stderr(f"error{where}: {exc.message}")
+        if exc.hint:
+            _stderr(f"  hint: {exc.hint}")
+        return exc.exit_code
+    if isinstance(exc, OSError) and exc.errno in _OS_ERRORS:
         code, hint = _OS_ERRORS[exc.errno]
         target = f": {exc.filename}" if exc.filename else ""
         _stderr(f"error{where}: {exc.strerror or exc}{target}")
         _stderr(f"  hint: {hint}")
-        raise typer.Exit(code) from None
-    except Exception as exc:
-        if STATE["debug"]:
-            raise
-        if _is_collective_failure(exc):
-            _stderr(f"error{where}: a collective operation failed: {type(exc).__name__}: {str(exc)[:300]}")
-            _stderr(
-                "  hint: another process stopped or stalled (its own error above names the reason); "
-                "see runtime.collective_timeout_s"
-            )
-            raise typer.Exit(EXIT_CHECK_FAILED) from None
-        _internal(exc, where)
+        return code
+    if _is_collective_failure(exc):
+        _stderr(f"error{where}: a collective operation failed: {type(exc).__name__}: {str(exc)[:300]}")
+        _stderr(
+            "  hint: another process stopped or stalled (its own error above names the reason); "
+            "see runtime.collective_timeout_s"
+        )
+        return EXIT_CHECK_FAILED
+    _stderr(f"internal error{where}: {type(exc).__name__}: {exc}")
+    if not STATE["debug"]:
+        _stderr("  hint: rerun with --debug (or PFCTL_DEBUG=1) for the traceback, and report it")
+    return EXIT_CHECK_FAILED
 
 
 _RESUME = "finished work is kept: rerun the same command to resume"
@@ -104,12 +109,6 @@ def _is_collective_failure(exc: BaseException) -> bool:
             "timed out waiting",
         )
     )
-
-
-def _internal(exc: BaseException, where: str) -> None:
-    _stderr(f"internal error{where}: {type(exc).__name__}: {exc}")
-    _stderr("  hint: rerun with --debug (or PFCTL_DEBUG=1) for the traceback, and report it")
-    raise typer.Exit(EXIT_CHECK_FAILED) from None
 
 
 def resolve_config(recipe: str | None, overrides: list[str] | None, flags: Mapping[str, Any] | None = None):

@@ -13,6 +13,7 @@ its videos can move together.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from dataclasses import dataclass
@@ -165,12 +166,27 @@ def _check_utf8(value: str, key: str, where: str) -> None:
         ) from None
 
 
+def _read_utf8(path: Path, what: str) -> str:
+    """The file's text; bytes that are not UTF-8 are reported by line and column (1-based)."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise InputError(f"cannot read {what} {path}: {exc}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise InputError(
+            f"{path}:{line}: not valid UTF-8 (byte 0x{data[exc.start]:02x} at column {column}, "
+            f"file offset {exc.start})",
+            hint="save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)",
+        ) from None
+
+
 def _read_jsonl(path: Path) -> list[Item]:
     items: list[Item] = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read annotation file {path}: {exc}") from None
+    lines = _read_utf8(path, "annotation file").splitlines()
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
@@ -191,8 +207,9 @@ def _read_jsonl(path: Path) -> list[Item]:
 
 def _read_csv(path: Path) -> list[Item]:
     delimiter = "\t" if path.suffix.lower() == ".tsv" else ","
+    text = _read_utf8(path, "annotation file")
     try:
-        with open(path, newline="", encoding="utf-8") as fh:
+        with io.StringIO(text, newline="") as fh:
             reader = csv.DictReader(fh, delimiter=delimiter)
             columns = [c.strip() for c in (reader.fieldnames or [])]
             media_cols = [c for c in ("video", "image") if c in columns]
@@ -206,8 +223,6 @@ def _read_csv(path: Path) -> list[Item]:
                     hint=f"the header needs 'video' (or 'image') and 'text'; optional: {', '.join(_KNOWN_KEYS[3:])}, 'id'",
                 )
             rows = list(reader)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read annotation file {path}: {exc}") from None
     except csv.Error as exc:
         raise InputError(f"{path}: malformed CSV ({exc})") from None
     items = []
@@ -245,10 +260,7 @@ def _read_folder(folder: Path) -> list[Item]:
     items = []
     for index, p in enumerate(media, start=1):
         rel = p.relative_to(folder).as_posix()
-        try:
-            text = p.with_suffix(".txt").read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise InputError(f"cannot read caption {p.with_suffix('.txt')}: {exc}") from None
+        text = _read_utf8(p.with_suffix(".txt"), "caption").strip()
         kind = "video" if p.suffix.lower() in VIDEO_SUFFIXES else "image"
         items.append(Item(id=derive_id(rel), kind=kind, path=p, text=text, line=index, source=rel))
     return items

@@ -20,10 +20,39 @@ if TYPE_CHECKING:
     import torch
 
 
+def current_umask() -> int:
+    """The process umask, read without changing it (``/proc/self/status`` on Linux).
+
+    ``os.umask`` can only be read by setting it; between the two calls another thread's files would
+    be created under the wrong mask, so that is only the fallback where ``/proc`` has no ``Umask:`` line.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
 def _atomic_target(path: str | os.PathLike[str]) -> tuple[Path, int, str]:
+    """A temp file next to ``path``, with the mode a plain ``open(path, "w")`` would give it.
+
+    ``mkstemp`` creates 0600 whatever the umask; the file is renamed into place, so without the
+    ``fchmod`` every file pfctl writes would be owner-only.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~current_umask())
+    except BaseException:
+        os.close(fd)
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path, fd, tmp
 
 
@@ -75,9 +104,11 @@ def replace_dir(staging: str | os.PathLike[str], out: str | os.PathLike[str]) ->
     """Move the finished folder ``staging`` to ``out``, replacing any folder there.
 
     The old folder is first renamed aside (same parent), so ``out`` is always either the old or
-    the new complete folder, never a mix; the old one is deleted afterwards.
+    the new complete folder, never a mix; the old one is deleted afterwards. ``staging`` gets the
+    mode a plain ``mkdir`` would give ``out`` (``tempfile.mkdtemp`` makes it 0700 whatever the umask).
     """
     staging, out = Path(staging), Path(out)
+    os.chmod(staging, 0o777 & ~current_umask())
     if out.exists():
         trash = out.parent / f".{out.name}.old-{os.getpid()}"
         os.replace(out, trash)

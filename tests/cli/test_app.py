@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -104,3 +105,44 @@ def test_print_config_shows_the_override(name: str) -> None:
     result = runner.invoke(app, [name, "--set", "runtime.seed=7", "--print-config"], prog_name="pfctl")
     assert result.exit_code == 0, result.output
     assert "seed: 7" in result.output
+
+
+def _failed_check(*args: object, **kwargs: object) -> None:
+    from pfctl.errors import CheckFailed
+
+    raise CheckFailed("the check failed", hint="a hint")
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["plain", "debug"])
+@pytest.mark.parametrize("name", COMMANDS)
+def test_debug_adds_a_traceback_and_keeps_the_exit_code(
+    name: str, debug: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pfctl.cli._common import STATE
+
+    monkeypatch.setitem(STATE, "debug", False)  # --debug sets it for the process; restored afterwards
+    flag = ["--debug"] if debug else []
+    usage = runner.invoke(app, [*flag, name, "--set", "train.no_such_key=1", "--print-config"])
+    assert usage.exit_code == 2, usage.output
+    assert "unknown key 'train.no_such_key'" in usage.output
+    assert ("Traceback" in usage.output) == debug
+
+    monkeypatch.setattr("pfctl.config.load_config", _failed_check)
+    check = runner.invoke(app, [*flag, name, "--print-config"])
+    assert check.exit_code == 1, check.output
+    assert "error: the check failed" in check.output and "hint: a hint" in check.output
+    assert ("Traceback" in check.output) == debug
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_debug_keeps_exit_code_2_in_a_real_process(how: str, tmp_path: Path) -> None:
+    """The issue's command: a missing annotation file is a usage error with or without --debug."""
+    env = {k: v for k, v in os.environ.items() if k != "PFCTL_DEBUG"}
+    args = ["encode-latents", "-a", str(tmp_path / "nonexistent.jsonl"), "-o", str(tmp_path / "out")]
+    if how == "flag":
+        args = ["--debug", *args]
+    else:
+        env["PFCTL_DEBUG"] = "1"
+    proc = subprocess.run([sys.executable, "-m", "pfctl", *args], capture_output=True, text=True, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" in proc.stderr and "nonexistent.jsonl" in proc.stderr

@@ -9,6 +9,7 @@ A reference model folder holds ``config.json`` (``_class_name`` names the pfctl 
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from helpers.tolerance import rounding_rtol
 
 
 def model_dirs(refdir: Path, class_name: str) -> list[Path]:
@@ -58,6 +61,25 @@ def reference_flux_dit(refdir: Path) -> torch.nn.Module:
     return load_reference_model(refdir / "flux_dit", PyramidFluxTransformer)
 
 
+def dit_sums(kwargs: dict[str, Any], columns: list[list[torch.Tensor]], text_len: int) -> dict[str, int]:
+    """The sums of one pyramid-DiT forward, from the folder's constructor arguments and the case's inputs (for
+    :func:`helpers.tolerance.rounding_rtol`): the longest is the MLP's hidden width (4x the attention width)
+    or the attention's key count (a column's 2x2 patches plus the text), whichever is larger; about 8 are
+    chained per block (projections, scores, weighted values, output, two MLP layers, norms)."""
+    inner = int(kwargs["num_attention_heads"]) * int(kwargs["attention_head_dim"])
+    blocks = int(kwargs.get("num_layers", 0)) + int(kwargs.get("num_single_layers", 0))
+    keys = max(sum(c.shape[-3] * c.shape[-2] * c.shape[-1] for c in column) // 4 for column in columns)
+    return {"reduction": max(4 * inner, keys + text_len), "depth": 8 * max(blocks, 1)}
+
+
+def vae_rtol(vae: torch.nn.Module) -> float:
+    """A causal VAE's float32 rounding (:func:`helpers.tolerance.rounding_rtol`): its widest convolution's
+    ``channels * kernel volume`` terms, one sum per convolution chained (encoder and decoder together)."""
+    convs = [m for m in vae.modules() if isinstance(m, torch.nn.Conv3d)]
+    longest = max(m.in_channels // m.groups * math.prod(m.kernel_size) for m in convs)
+    return rounding_rtol(reduction=longest, depth=len(convs))
+
+
 def columns_from(vectors: dict[str, torch.Tensor]) -> list[list[torch.Tensor]]:
     """Rebuild the column/clip list from ``sample.{k}.{j}`` keys."""
     index: dict[int, dict[int, torch.Tensor]] = {}
@@ -75,17 +97,21 @@ def rel_error(ours: torch.Tensor, ref: torch.Tensor, floor: float = 1e-30) -> fl
     return ((ours - ref).abs().max() / ref.abs().max().clamp_min(floor)).item()
 
 
-def replay(model_dir: Path, model_cls: type) -> list[tuple[str, int, float]]:
-    """Build, load strictly and replay every forward file; returns (file, column, rel error) rows."""
+def replay(model_dir: Path, model_cls: type) -> list[tuple[str, int, float, float]]:
+    """Build, load strictly and replay every forward file; returns (file, column, rel error, tolerance) rows,
+    the tolerance derived from the model's and the case's sizes (:func:`dit_sums`)."""
     model = load_reference_model(model_dir, model_cls)
+    kwargs = reference_kwargs(model_dir)
     rows = []
     files = sorted(model_dir.glob("forward_*.safetensors"))
     assert files, f"no forward_*.safetensors in {model_dir}"
     for path in files:
         vectors = load_file(str(path))
+        columns = columns_from(vectors)
+        tol = rounding_rtol(**dit_sums(kwargs, columns, vectors["encoder_hidden_states"].shape[1]))
         with torch.no_grad():
             outputs = model(
-                sample=columns_from(vectors),
+                sample=columns,
                 encoder_hidden_states=vectors["encoder_hidden_states"],
                 encoder_attention_mask=vectors["encoder_attention_mask"],
                 pooled_projections=vectors["pooled_projections"],
@@ -98,15 +124,16 @@ def replay(model_dir: Path, model_cls: type) -> list[tuple[str, int, float]]:
         for k, out in enumerate(outputs):
             ref = vectors[f"output.{k}"]
             assert out.shape == ref.shape, f"{path.name} output.{k}: {tuple(out.shape)} vs {tuple(ref.shape)}"
-            rows.append((path.name, k, rel_error(out, ref)))
+            rows.append((path.name, k, rel_error(out, ref), tol))
     return rows
 
 
-def assert_replay_within(refdir: Path, model_cls: type, rel_tol: float) -> None:
-    """Every forward case of every reference folder for ``model_cls`` matches within ``rel_tol``."""
+def assert_replay_within(refdir: Path, model_cls: type) -> None:
+    """Every forward case of every reference folder for ``model_cls`` matches to float32 rounding: its rel
+    error (max abs diff / max abs ref) within the tolerance its sizes give (:func:`dit_sums`)."""
     rows = [row for d in model_dirs_or_skip(refdir, model_cls) for row in replay(d, model_cls)]
-    bad = [r for r in rows if not r[2] <= rel_tol]
-    assert not bad, f"rel error above {rel_tol}: {bad}"
+    bad = [r for r in rows if not r[2] <= r[3]]
+    assert not bad, f"rel error above the rounding tolerance (file, column, error, tolerance): {bad}"
 
 
 def assert_reference_layout(model: torch.nn.Module, model_dir: Path) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers.tolerance import assert_rounding_close
 from pfctl import api
 from pfctl.config import load_config
 from pfctl.data.dataset import write_synthetic_cache
@@ -112,13 +113,15 @@ def test_export_loads_in_generate_and_equals_the_in_memory_model(base, cache, tm
     exported = load_file(str(export / "adapter_model.safetensors"))
     assert ckpt.keys() == exported.keys() and all(torch.equal(ckpt[k], exported[k]) for k in ckpt)
 
-    # the DiT: base + reloaded adapter == the trainer's model, exactly
+    # the DiT: base + reloaded adapter == the trainer's model, up to rounding: the weights read from disk sit
+    # at other addresses, so the CPU may pick other kernels (helpers.tolerance; the tiny DiT's sums: at most
+    # 128 terms, about 16 chained per forward)
     trained = trainer.unwrapped.eval()
     dit = load_components(base, need=("dit",), dtype=torch.float32).dit
     apply_lora(dit, [read_lora(export)])
     with torch.no_grad():
         x = forward_inputs()
-        assert torch.equal(dit(**x)[0], trained(**x)[0])
+        assert_rounding_close(dit(**x)[0], trained(**x)[0], reduction=128, depth=16)
 
     # generate: --lora PATH without --model loads the base named in the marker
     fast = ["generate.width=64", "generate.height=64", "generate.strict_resolution=false",
@@ -132,7 +135,7 @@ def test_export_loads_in_generate_and_equals_the_in_memory_model(base, cache, tm
     parts = load_components(base, dtype=torch.float32)
     parts.dit = trained
     b = run_generate(cfg, ["a red circle"], components=parts, keep_latents=True)
-    assert torch.equal(a.videos[0].latents, b.videos[0].latents)
+    assert_rounding_close(a.videos[0].latents, b.videos[0].latents, reduction=128, depth=6 * 16)  # 6 forwards
     sidecar = json.loads(a.videos[0].sidecar.read_text())
     assert sidecar["model"]["lora"][0]["path"] == str(export.resolve())
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers.tolerance import assert_rounding_close
 from pfctl import api
 from pfctl.config import load_config
 from pfctl.data.dataset import write_synthetic_cache
@@ -292,4 +293,5 @@ def test_skip_future_keys_trains_like_one_call_attention(
     one_call = api.train(config(cache, tmp_path / "one", max_steps=3))
     grouped_run = api.train(config(cache, tmp_path / "grouped", max_steps=3, skip_future_keys=True))
     assert len({start for starts in key_starts for start in starts}) > 1  # captions of different lengths
-    torch.testing.assert_close(grouped_run.losses, one_call.losses, rtol=1e-5, atol=1e-7)
+    # another attention path sums in another order: 3 steps of a forward and a backward (helpers.tolerance)
+    assert_rounding_close(grouped_run.losses, one_call.losses, reduction=128, depth=3 * 32)

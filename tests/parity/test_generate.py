@@ -1,11 +1,11 @@
 """Sampling loop vs the reference ``generate`` / ``generate_i2v`` runs (latents only).
 
-Two levels, discovered from the reference folders present:
+Two levels, for every reference folder whose ``meta.json`` records ``dit_calls`` (discovered, not named):
 
 * replay: a stand-in DiT returns the saved raw output of each call after checking that pfctl feeds
   it the saved inputs (history layout, CFG batch, timestep) — validates the loop without a model;
-* model: pfctl's ``PyramidFluxTransformer`` with the reference weights, final latents within
-  rel 1e-4 (skipped while the model is not importable).
+* model: pfctl's ``PyramidFluxTransformer`` with the reference weights, final latents within the float32
+  rounding of the run's sizes (skipped while the model is not importable).
 
 The reference's quirks are requested explicitly (``reference_compat=True``; i2v steps passed as
 ``video_num_inference_steps``). The VAE decode part belongs to the generate command's tests.
@@ -19,21 +19,32 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers.parity import reference_flux_dit, rel_error
+from helpers.parity import dit_sums, reference_flux_dit, reference_kwargs, rel_error
+from helpers.tolerance import assert_rounding_close, rounding_rtol
 from pfctl.sampling.sampler import SamplingSettings, TextConditioning, generate_latents
 
 pytestmark = pytest.mark.parity
 
-CASES = ["generate", "generate_i2v", "generate_linear_guidance"]
 REFERENCE_DEFAULTS = {"alpha": 0.5, "min_guidance_scale": 2.0, "use_linear_guidance": False}
 
 
-def _case(refdir, name):
-    folder = refdir / name
-    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
-    if not files or not (folder / "meta.json").exists():
-        pytest.skip(f"{name}/ not in the reference set")
-    return load_file(files[0]), json.loads((folder / "meta.json").read_text())
+def _cases(refdir) -> list[tuple[str, dict, dict]]:
+    """``(folder name, tensors, meta)`` of every generate run in the set; skips when there is none."""
+    cases = []
+    for folder in sorted(p for p in refdir.iterdir() if (p / "meta.json").is_file()):
+        meta = json.loads((folder / "meta.json").read_text())
+        files = sorted(folder.glob("*.safetensors"))
+        if "dit_calls" in meta and "call" in meta and files:
+            cases.append((folder.name, load_file(files[0]), meta))
+    if not cases:
+        pytest.skip("no generate run (a folder whose meta.json records dit_calls) in the reference set")
+    return cases
+
+
+def _loop_rtol(calls: int) -> float:
+    """The sampler's own arithmetic: a few elementwise operations per DiT call (guidance mix, Euler step) and,
+    between stages, a 2x2 resample and the renoise (helpers.tolerance)."""
+    return rounding_rtol(reduction=4, depth=4 * calls)
 
 
 def _kwargs(tensors: dict, meta: dict) -> dict:
@@ -87,7 +98,7 @@ class ReplayDiT:
         self.t = tensors
         self.meta = meta
         self.calls = 0
-        self.max_input_err = 0.0
+        self.max_input_err = 0.0  # relative: max |ours - ref| / max |ref| over the clips
 
     def __call__(
         self, *, sample, timestep_ratio, encoder_hidden_states, encoder_attention_mask, pooled_projections
@@ -100,16 +111,19 @@ class ReplayDiT:
         for j, clip in enumerate(clips):
             ref = self.t[f"dit_call.{c}.sample.{j}"]
             assert clip.shape == ref.shape, (c, j)
-            self.max_input_err = max(self.max_input_err, (clip - ref).abs().max().item())
+            self.max_input_err = max(self.max_input_err, rel_error(clip, ref, floor=1e-12))
         torch.testing.assert_close(timestep_ratio, self.t[f"dit_call.{c}.timestep_ratio"], rtol=0, atol=0)
         assert encoder_hidden_states.shape[0] == clips[-1].shape[0]
         self.calls += 1
         return [self.t[f"dit_call.{c}.output"].clone()]
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_generate_loop_replay(refdir, name):
-    tensors, meta = _case(refdir, name)
+def test_generate_loop_replay(refdir):
+    for name, tensors, meta in _cases(refdir):
+        _replay_case(name, tensors, meta)
+
+
+def _replay_case(name: str, tensors: dict, meta: dict) -> None:
     dit = ReplayDiT(tensors, meta)
     steps = []
 
@@ -127,23 +141,33 @@ def test_generate_loop_replay(refdir, name):
             assert info["guidance"] == ref_meta["guidance"]
         guided = tensors.get(f"step.{c}.model_output_guided")
         if guided is not None:
-            torch.testing.assert_close(info["guided"], guided, rtol=1e-6, atol=1e-6)
-            torch.testing.assert_close(info["latents"], tensors[f"step.{c}.sample"], rtol=1e-6, atol=1e-6)
+            assert_rounding_close(info["guided"], guided, reduction=4, depth=4 * (c + 1), msg=name)
+            latents = tensors[f"step.{c}.sample"]
+            assert_rounding_close(info["latents"], latents, reduction=4, depth=4 * (c + 1), msg=name)
 
     final = generate_latents(dit, _text(tensors), on_dit_call=record, **_kwargs(tensors, meta))
-    assert dit.calls == meta["num_dit_calls"]
-    assert dit.max_input_err <= 1e-5
-    assert final.shape == tensors["final_latents"].shape
-    assert rel_error(final, tensors["final_latents"], floor=1e-12) <= 1e-6
+    assert dit.calls == meta["num_dit_calls"], name
+    tol = _loop_rtol(dit.calls)
+    assert dit.max_input_err <= tol, (name, dit.max_input_err, tol)
+    assert final.shape == tensors["final_latents"].shape, name
+    assert rel_error(final, tensors["final_latents"], floor=1e-12) <= tol, name
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_generate_with_flux_dit(refdir, name):
-    tensors, meta = _case(refdir, name)
+def test_generate_with_flux_dit(refdir):
+    cases = _cases(refdir)
     dit = reference_flux_dit(refdir)
-    final = generate_latents(dit, _text(tensors), **_kwargs(tensors, meta))
-    assert final.shape == tensors["final_latents"].shape
-    rel = rel_error(final, tensors["final_latents"], floor=1e-12)
-    assert rel <= 1e-4, f"{name}: rel error {rel:.3g}"
-    if "image_latent" in tensors:
-        assert torch.equal(final[:, :, :1], tensors["image_latent"])
+    kwargs = reference_kwargs(refdir / "flux_dit")
+    for name, tensors, meta in cases:
+        final = generate_latents(dit, _text(tensors), **_kwargs(tensors, meta))
+        ref = tensors["final_latents"]
+        assert final.shape == ref.shape, name
+        # every DiT call's sums (the whole video's tokens bound any column's), chained over the calls;
+        # guidance g turns a difference d of the two predictions into up to (1 + 2 g) d
+        sums = dit_sums(kwargs, [[ref[0]]], tensors["prompt_embeds"].shape[1])
+        call = {**REFERENCE_DEFAULTS, **meta["call"]}
+        gain = 1 + 2 * max(call["guidance_scale"], call["video_guidance_scale"])
+        tol = rounding_rtol(sums["reduction"], sums["depth"] * meta["num_dit_calls"], ulps=8 * gain)
+        rel = rel_error(final, ref, floor=1e-12)
+        assert rel <= tol, f"{name}: rel error {rel:.3g} (tolerance {tol:.3g})"
+        if "image_latent" in tensors:
+            assert torch.equal(final[:, :, :1], tensors["image_latent"]), name

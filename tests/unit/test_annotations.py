@@ -111,3 +111,29 @@ def test_missing_and_unknown_annotation_files(tmp_path: Path) -> None:
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(InputError, match="no rows"):
         load_annotations(tmp_path / "empty.jsonl")
+
+
+@pytest.mark.parametrize(
+    ("name", "head"),
+    [
+        ("a.jsonl", b'{"video": "a.mp4", "text": "ok"}\n{"video": "b.mp4", "text": "fine"}\n'),
+        ("a.csv", b'video,text\na.mp4,ok\nb.mp4,"fine"\n'),
+    ],
+)
+def test_raw_non_utf8_bytes_name_the_line(tmp_path: Path, name: str, head: bytes) -> None:
+    """A Latin-1 caption (0xe9 = 'é') on the last line: the error names the line and column, not only an offset."""
+    ann = tmp_path / name
+    bad = b'{"video": "c.mp4", "text": "caf\xe9"}\n' if name.endswith(".jsonl") else b"c.mp4,caf\xe9\n"
+    ann.write_bytes(head + bad)
+    with pytest.raises(InputError) as info:
+        load_annotations(ann)
+    line, column = head.count(b"\n") + 1, bad.index(b"\xe9") + 1
+    assert f"{ann}:{line}: not valid UTF-8 (byte 0xe9 at column {column}" in info.value.message
+    assert "UTF-8" in (info.value.hint or "")
+
+
+def test_non_utf8_caption_file_names_the_line(tmp_path: Path) -> None:
+    (tmp_path / "a.mp4").write_bytes(b"")
+    (tmp_path / "a.txt").write_bytes(b"first line\n\xff\n")
+    with pytest.raises(InputError, match=r"a\.txt:2: not valid UTF-8 \(byte 0xff at column 1"):
+        load_annotations(tmp_path)

@@ -11,6 +11,7 @@ import types
 import pytest
 import torch
 
+from helpers.tolerance import assert_rounding_close
 from pfctl.errors import ConfigError, InputError, ModelLoadError
 from pfctl.models.causal_vae import CausalVideoVAE, FrameCache
 from pfctl.models.vae import (
@@ -27,6 +28,9 @@ from pfctl.models.vae import (
 )
 
 TOL = 1e-5
+ENCODE = {"reduction": 16 * 27, "depth": 20}
+"""The tiny VAE's sums for an encode (or a decode): 3x3x3 convolutions over at most 16 channels, about 20 of
+them chained (helpers.tolerance derives the tolerance from these)."""
 
 
 @pytest.fixture(scope="module")
@@ -379,8 +383,8 @@ def test_failed_kernels_fall_back_everywhere_in_the_model(monkeypatch: pytest.Mo
         mean_cl = model.encode(video, temporal_chunk=True, window_size=8).mean
         pixels_cl = model.decode(mean, temporal_chunk=True, window_size=1)
     assert state["failures"] > 0 and fused.ENABLED is False
-    torch.testing.assert_close(mean_cl, mean, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(pixels_cl, pixels, rtol=1e-5, atol=1e-5)
+    assert_rounding_close(mean_cl, mean, **ENCODE)  # channels-last: other convolution kernels
+    assert_rounding_close(pixels_cl, pixels, **ENCODE)
 
 
 # ---- training / purity -------------------------------------------------------------------------------
@@ -410,7 +414,8 @@ def test_gradient_checkpointing_same_grads() -> None:
         _, recon = model(x)
         recon.pow(2).mean().backward()
         grads.append(model.decoder.conv_in.conv.weight.grad.clone())
-    assert _max_diff(grads[0], grads[1]) < 1e-6
+    # two models, and a recomputed forward: the same sums, perhaps in another order
+    assert_rounding_close(grads[1], grads[0], reduction=ENCODE["reduction"], depth=2 * ENCODE["depth"])
 
 
 def test_inputs_not_mutated(vae: CausalVideoVAE, video: torch.Tensor) -> None:
@@ -527,7 +532,8 @@ def test_save_pretrained_round_trip(tmp_path, video: torch.Tensor) -> None:
     adapter = load_vae(tmp_path)
     assert adapter.fingerprint() == PyramidCausalVAE(model).fingerprint()
     image = video[:, :, :1]
-    assert torch.equal(adapter.encode(image).mean, PyramidCausalVAE(model).encode(image).mean)
+    # the loaded weights sit at other addresses: the CPU may pick another convolution kernel
+    assert_rounding_close(adapter.encode(image).mean, PyramidCausalVAE(model).encode(image).mean, **ENCODE)
 
 
 def test_load_vae_checkpoint_root_and_errors(tmp_path) -> None:
@@ -642,5 +648,5 @@ def test_channels_last_model_equals_default(video: torch.Tensor) -> None:
         mean = model.encode(video, temporal_chunk=True, window_size=8).mean
         pixels = model.decode(ref_mean, temporal_chunk=True, window_size=1)
     assert mean.is_contiguous()
-    torch.testing.assert_close(mean, ref_mean, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(pixels, ref_pixels, rtol=1e-4, atol=1e-5)
+    assert_rounding_close(mean, ref_mean, **ENCODE)  # channels-last: other convolution kernels
+    assert_rounding_close(pixels, ref_pixels, **ENCODE)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -170,3 +172,17 @@ def test_merge_keeps_old_rows_and_lists_each_clip_once(tmp_path: Path) -> None:
 def test_wait_for_parts_times_out_naming_ranks(tmp_path: Path) -> None:
     with pytest.raises(CacheError, match=r"ranks \[0, 1\]"):
         lc.wait_for_parts(tmp_path, 2, poll_s=0.01, timeout_s=0.05)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_cache_files_honour_the_umask(tmp_path: Path, umask: int) -> None:
+    old = os.umask(umask)
+    try:
+        _write_cache(tmp_path / "cache", ["a", "b"])
+    finally:
+        os.umask(old)
+    paths = [tmp_path / "cache", *(tmp_path / "cache").rglob("*")]
+    assert any(p.suffix == ".safetensors" for p in paths)  # the clip files are among them
+    for path in paths:
+        want = (0o777 if path.is_dir() else 0o666) & ~umask
+        assert stat.S_IMODE(path.stat().st_mode) == want, path
