@@ -13,10 +13,9 @@ if TYPE_CHECKING:
     from pfctl.data.encode import EncodeReport
 
 HELP = "Decode videos (decord), encode them with the video VAE and the text encoders, and write a resumable, provenance-stamped latent cache."
-EPILOG = (
-    "Examples: pfctl encode-latents -a data/train.jsonl -m ./pyramid-flow-miniflux -o cache/ | "
-    "pfctl encode-latents -a videos/ --vae causal-vae-tiny --set encode.text=false --dry-run | "
-    "torchrun --nproc_per_node 8 -m pfctl encode-latents --recipe my.yaml"
+EXAMPLES = (
+    "pfctl encode-latents -a data/train.jsonl -o cache/",
+    "pfctl encode-latents -a data/train.jsonl -m ./pyramid-flow-miniflux -o cache-384p/ --dry-run",
 )
 
 AnnotationsOpt = Annotated[
