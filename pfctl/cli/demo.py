@@ -12,7 +12,7 @@ HELP = (
     "The whole pipeline on synthetic shapes in a few CPU minutes: make clips, encode-latents, fine-tune "
     "the embedded model on 2 processes (sync group 2), generate and score videos, verify-groupnorm."
 )
-EXAMPLES = ("pfctl demo", "pfctl demo --quick -o demo-quick")
+EXAMPLES = ("pfctl demo",)
 
 
 def demo(
