@@ -13,7 +13,7 @@ from pfctl.cli._common import STATE
 
 
 def _flags_take_no_value(params: list) -> list:
-    """Blank the value placeholder of flag options, so ``--dry-run`` is not shown as ``--dry-run <bool>``."""
+    """Blank the value placeholder of the flags among ``params``: ``--dry-run``, not ``--dry-run <bool>``."""
     for param in params:
         if getattr(param, "is_flag", False):
             param.metavar = ""
@@ -21,12 +21,12 @@ def _flags_take_no_value(params: list) -> list:
 
 
 class _Command(TyperCommand):
-    def get_params(self, ctx):  # type: ignore[override]
+    def get_params(self, ctx: typer.Context) -> list:
         return _flags_take_no_value(super().get_params(ctx))
 
 
 class _Group(TyperGroup):
-    def get_params(self, ctx):  # type: ignore[override]
+    def get_params(self, ctx: typer.Context) -> list:
         return _flags_take_no_value(super().get_params(ctx))
 
 
