@@ -158,7 +158,8 @@ def _in_process(argv: list[str]) -> tuple[int, str]:
 
 def _subprocess(tokens: list[str], cwd: Path) -> tuple[int, str]:
     exe = Path(sys.executable).with_name(tokens[0])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    paths = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run(
         [str(exe) if exe.exists() else tokens[0], *tokens[1:]],
