@@ -12,7 +12,7 @@ HELP = (
     "The whole pipeline on synthetic shapes in a few CPU minutes: make clips, encode-latents, fine-tune "
     "the embedded model on 2 processes (sync group 2), generate and score videos, verify-groupnorm."
 )
-EPILOG = "Examples: pfctl demo  ·  pfctl demo --quick -o /tmp/demo  ·  pfctl demo --steps 200 --clips 128"
+EXAMPLES = ("pfctl demo",)
 
 
 def demo(

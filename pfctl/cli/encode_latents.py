@@ -18,10 +18,9 @@ HELP = (
     "and its encode settings (its trained size, fps and clip length). Settings, lowest priority first: "
     "defaults < the model's own < --recipe < --set < flags."
 )
-EPILOG = (
-    "Examples: pfctl encode-latents -a data/train.jsonl -m ./pyramid-flow-miniflux -o cache/ | "
-    "pfctl encode-latents -a videos/ --vae causal-vae-tiny --set encode.text=false --dry-run | "
-    "torchrun --nproc_per_node 8 -m pfctl encode-latents --recipe my.yaml"
+EXAMPLES = (
+    "pfctl encode-latents -a data/train.jsonl -o cache/",
+    "pfctl encode-latents -a data/train.jsonl -m ./pyramid-flow-miniflux -o cache-384p/ --dry-run",
 )
 
 AnnotationsOpt = Annotated[

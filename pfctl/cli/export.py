@@ -12,7 +12,7 @@ HELP = (
     "Write a pfctl export, checkpoint or LoRA export as an official Pyramid Flow folder "
     "(DiT variant folder + VAE + text encoders) that the reference's code and ComfyUI load."
 )
-EPILOG = "Examples: pfctl export outputs/train/export -o my-pyramid-flow/"
+EXAMPLES = ("pfctl export outputs/train/export -o my-pyramid-flow/",)
 
 SourceArg = Annotated[
     str,

@@ -10,11 +10,10 @@ from pfctl.cli._common import command_errors, print_config, resolve_config
 from pfctl.cli.options import LORA_SCALE_HELP, ModelOpt, OutputDirOpt, PrintConfigOpt, RecipeOpt, SetOpt
 
 HELP = "Text-to-video and image-to-video with the pyramid sampler; writes mp4 + a JSON sidecar."
-EPILOG = (
-    'Examples: pfctl generate "a red circle moving right" -o outputs/  ·  '
-    "pfctl generate --prompts prompts.jsonl --duration 5 -m ./pyramid-flow-miniflux  ·  "
-    'pfctl generate "the wave rolls in" --image beach.jpg --temp 16  ·  '
-    'pfctl generate "a cat" --lora runs/cats/export --lora-scale 0.8'
+EXAMPLES = (
+    'pfctl generate "a red circle moving right"',
+    "pfctl generate --prompts prompts.jsonl -o outputs/prompts",
+    'pfctl generate "a red circle moving right" --image first_frame.png --seed 3',
 )
 
 PromptArg = Annotated[

@@ -10,9 +10,8 @@ from pfctl.cli._common import command_errors
 from pfctl.cli.options import LORA_SCALE_HELP
 
 HELP = "Merge LoRA adapters (each at a scale) into a base model; writes a full model folder (pfctl export)."
-EPILOG = (
-    "Examples: pfctl merge-lora --model ./pyramid-flow-miniflux --lora runs/cats/export -o merged/  ·  "
-    "pfctl merge-lora -m base/ --lora a/ --lora b/ --scale 1.0 --scale 0.5 -o merged/"
+EXAMPLES = (
+    "pfctl merge-lora --model ./pyramid-flow-miniflux --lora outputs/train/export --scale 1.0 -o merged/",
 )
 
 BaseModelOpt = Annotated[

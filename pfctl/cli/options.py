@@ -6,10 +6,22 @@ from typing import Annotated
 
 import typer
 
+
+def complete_recipe(incomplete: str) -> list[str]:
+    """Shell completion after ``--recipe``: the shipped recipe names that start with what was typed."""
+    from pfctl.config.load import available_recipes
+
+    return [name for name in available_recipes() if name.startswith(incomplete)]
+
+
 RecipeOpt = Annotated[
     str | None,
     typer.Option(
-        "--recipe", "-r", help="Recipe name (see recipes/) or path to a YAML file.", show_default=False
+        "--recipe",
+        "-r",
+        help="Recipe name (pfctl's recipes/ folder) or path to a YAML file.",
+        show_default=False,
+        autocompletion=complete_recipe,
     ),
 ]
 SetOpt = Annotated[

@@ -10,10 +10,11 @@ from pfctl.cli._common import command_errors, print_config, resolve_config
 from pfctl.cli.options import DryRunOpt, OutputDirOpt, PrintConfigOpt, RecipeOpt, SeedOpt, SetOpt
 
 HELP = "Train or fine-tune the pyramid DiT with pyramidal flow matching and video sync groups."
-EPILOG = (
-    "Examples: pfctl train --recipe debug-tiny --dry-run --world-size 8 --set train.video_sync_group=4 | "
-    "accelerate launch -m pfctl train --recipe debug-tiny --resume latest | "
-    "torchrun --nproc_per_node 8 -m pfctl train --recipe debug-tiny"
+EXAMPLES = (
+    "pfctl train --recipe debug-tiny --set train.cache=cache/ --dry-run --world-size 8 --set train.video_sync_group=4",
+    "pfctl train --recipe debug-tiny --set train.cache=cache/ --max-steps 2",
+    "torchrun --standalone --nproc_per_node 2 -m pfctl train --recipe debug-tiny --set train.cache=cache/ "
+    "--set train.video_sync_group=2 --max-steps 2 -o outputs/debug-tiny-2proc",
 )
 
 MaxStepsOpt = Annotated[

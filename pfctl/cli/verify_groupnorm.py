@@ -12,11 +12,11 @@ from pfctl.cli._common import command_errors, print_config, resolve_config
 from pfctl.cli.options import PrintConfigOpt, RecipeOpt, SetOpt
 
 HELP = 'Check whether chunked ("framewise") VAE encoding equals a one-call encode: audit the norms, measure the error, offer an exact chunked encode.'
-EPILOG = (
-    "Examples: pfctl verify-groupnorm --vae cogvideox-tiny --json report.json  |  "
-    "pfctl verify-groupnorm --vae ./CogVideoX-2b/vae --video clip.mp4 --frames 49 --size 256x256. "
-    "Exit code 0 pass (or warn), 1 a path fails its tolerance, 2 usage error."
+EXAMPLES = (
+    "pfctl verify-groupnorm --vae causal-vae-tiny --size 32x32 --json report.json --plot error.png",
+    "pfctl verify-groupnorm --vae cogvideox-tiny --size 32x32",
 )
+NOTE = "Exit code 0 pass (or warn), 1 a path fails its tolerance (cogvideox-tiny: by design), 2 usage error."
 
 
 def _parse_size(size: str | None) -> tuple[int | None, int | None]:

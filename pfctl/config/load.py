@@ -14,8 +14,11 @@ from pydantic import BaseModel, ValidationError
 
 from pfctl.errors import ConfigError
 
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
-"""Named recipes shipped with pfctl (``--recipe debug-tiny`` → ``recipes/debug-tiny.yaml``)."""
+_PACKAGE = Path(__file__).resolve().parents[1]
+RECIPES_DIR = _PACKAGE / "recipes" if (_PACKAGE / "recipes").is_dir() else _PACKAGE.parent / "recipes"
+"""Named recipes shipped with pfctl (``--recipe debug-tiny`` → ``debug-tiny.yaml``): ``pfctl/recipes/`` in an
+installed wheel (pyproject.toml maps the package ``pfctl.recipes`` to the top-level ``recipes/`` folder, the
+one source), or ``recipes/`` itself in a source checkout or an editable install."""
 
 
 def recipe_dirs() -> list[Path]:
