@@ -744,10 +744,10 @@ def run_encode(
             output_dir=str(root), fingerprint="", dry_run=True, is_main=False, world_size=world
         )
 
-    from pfctl.models.vae import load_vae
+    from pfctl.models.vae import load_vae, with_fast_paths
 
     device = torch.device("cpu") if dry_run else runtime.device
-    vae = load_vae(vae_spec, dtype=dtype, device=device)
+    vae = with_fast_paths(load_vae(vae_spec, dtype=dtype, device=device), config.fast)
     need = max(cfg.num_frames, cfg.max_frames)
     contract = FrameContract.from_vae(vae, need)
     threads = 1 if cfg.num_workers > 0 else 0

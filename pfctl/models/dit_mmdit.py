@@ -2,7 +2,7 @@
 
 Checkpoint-compatible with the reference class of the same name (config fields and state-dict keys, including
 the persistent sin-cos buffer ``pos_embed.pos_embed``). Same forward contract as the Flux DiT
-(:mod:`pfctl.models.dit_common`). Positions:
+(:mod:`pfctl.models.dit_layers`). Positions:
 
 * spatial: additive 2-D sin-cos table (``pos_embed_max_size`` squared, SD3 layout) cropped around its centre to
   the current clip's token grid; with ``interp_condition_pos`` smaller history clips get that crop bilinearly
@@ -17,7 +17,7 @@ Differences from the reference (documented; default numerics unchanged):
 * ``use_temporal_causal`` works whatever the temporal position type (the reference crashed unless RoPE was on).
 * ``use_t5_mask=False`` really treats every text token as real (the reference always masked padding); the
   reference pipeline always passed ``True`` -- see :data:`REFERENCE_LOAD_OVERRIDES`.
-* Gradient checkpointing covers blocks with index ``< floor(L * ratio)`` from the input side (the reference
+* Gradient checkpointing (:mod:`pfctl.models.fast`) covers blocks with index ``< floor(L * ratio)`` from the input side (the reference
   checkpointed the *last* blocks, ``index >= int(L * ratio)``), the same rule as the Flux DiT.
 * Defaults that could not run in the reference (``pos_embed_type="rope"``, ``caption_projection_dim=1152`` with
   24 x 64 heads) are replaced by working ones (``"sincos"``, 1536); released configs set both explicitly.
@@ -35,23 +35,24 @@ from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
 from pfctl.errors import ConfigError, InputError
-from pfctl.models.dit_common import (
-    AdaLNContinuous,
-    BlockCheckpointing,
-    DualStreamBlock,
+from pfctl.models.attention_layout import (
+    PyramidAttention,
     PyramidLayout,
-    TimestepTextEmbedding,
     attention_dtype,
-    check_forward_inputs,
-    check_ratio,
     clip_frame_ids,
     column_tails,
+)
+from pfctl.models.dit_layers import (
+    AdaLNContinuous,
+    DualStreamBlock,
+    TimestepTextEmbedding,
+    check_forward_inputs,
+    check_ratio,
     final_layer,
     init_reference_weights,
     note_flash_flag,
-    rope_tables,
-    rotary_table,
 )
+from pfctl.models.rope import rope_tables, rotary_table
 
 QK_EPS = 1e-5
 
@@ -176,13 +177,12 @@ class JointTransformerBlock(DualStreamBlock):
         )
 
 
-class PyramidDiffusionMMDiT(BlockCheckpointing, ModelMixin, ConfigMixin):
+class PyramidDiffusionMMDiT(PyramidAttention, ModelMixin, ConfigMixin):
     """SD3-style DiT of Pyramid Flow. Forward contract as :class:`pfctl.models.dit_flux.PyramidFluxTransformer`:
     ``forward(sample, encoder_hidden_states, encoder_attention_mask, pooled_projections, timestep_ratio)`` with
     clips ``[Bc, in_channels, t, h, w]`` (h, w divisible by ``patch_size``); returns the last clip's prediction
     per column."""
 
-    _supports_gradient_checkpointing = True
     _no_split_modules: ClassVar[list[str]] = ["JointTransformerBlock"]
 
     @register_to_config
@@ -260,8 +260,6 @@ class PyramidDiffusionMMDiT(BlockCheckpointing, ModelMixin, ConfigMixin):
         self.norm_out = AdaLNContinuous(dim)
         self.proj_out = nn.Linear(dim, patch_size * patch_size * in_channels)
 
-        self.gradient_checkpointing = use_gradient_checkpointing
-        self.gradient_checkpointing_ratio = gradient_checkpointing_ratio
         note_flash_flag(type(self).__name__, use_flash_attn)
         self.initialize_weights()
 
@@ -347,9 +345,8 @@ class PyramidDiffusionMMDiT(BlockCheckpointing, ModelMixin, ConfigMixin):
 
         grids = [[(c.shape[2], c.shape[3] // p, c.shape[4] // p) for c in col] for col in columns]
         layout = self.build_layout(grids, encoder_attention_mask, batch, attention_dtype(image), text_lengths)
-        limit = self._checkpoint_limit()
-        for i, block in enumerate(self.transformer_blocks):
-            image, text = self._run_block(i, limit, block, image, text, temb, layout)
+        for block in self.transformer_blocks:
+            image, text = block(image, text, temb, layout)
 
         # K x [Bc, C, t, h*p, w*p]: the last clip of each column
         image = column_tails(image, layout.image_lengths, layout.tail_lengths)

@@ -23,6 +23,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from pfctl.config.fast import FastPathsConfig
 from pfctl.errors import ConfigError, InputError, ModelLoadError, PfctlError
 from pfctl.models.causal_vae import CausalVideoVAE
 from pfctl.utils.io import fingerprint as _fingerprint
@@ -41,6 +42,7 @@ __all__ = [
     "load_causal_vae_folder",
     "load_vae",
     "normalize_latents",
+    "with_fast_paths",
 ]
 
 Chunking = Literal["none", "framewise", "exact"]
@@ -509,3 +511,14 @@ def load_vae(
         f"{path / 'config.json'}: _class_name {class_name!r} is not a supported VAE",
         hint="expected CausalVideoVAE or a diffusers autoencoder class (e.g. AutoencoderKLCogVideoX)",
     )
+
+
+def with_fast_paths(vae: VideoVAE, fast: FastPathsConfig) -> VideoVAE:
+    """``vae`` with the ``fast:`` paths that concern it applied (:func:`pfctl.models.fast.apply_fast_paths`:
+    the causal VAE's fused norms); the fast package is imported only when one is on."""
+    module = getattr(vae, "module", None)
+    if fast.fused_vae_norm and isinstance(module, CausalVideoVAE):
+        from pfctl.models.fast import FastPaths, apply_fast_paths
+
+        apply_fast_paths(module, FastPaths(kernels=fast))
+    return vae

@@ -719,13 +719,18 @@ def run_generate(
     if offload:
         _move(dit, device)
     dit.set_attention_backend(gen.attention, gen.skip_future_keys, gen.row_group_min_tokens)
-    if gen.compile:
-        if device.type == "cuda":
-            # automatic dynamic shapes: the token counts become dynamic once they change, the head sizes stay
-            # static (with every size dynamic, the graphs around row-grouped attention ran generic kernels)
-            dit.compile_blocks(dynamic=None)
-        else:
-            pflog.log("generate.compile is ignored on the CPU")
+    compiled = gen.compile and device.type == "cuda"
+    if gen.compile and not compiled:
+        pflog.log("generate.compile is ignored on the CPU")
+    if config.fast.any_on or compiled:
+        from pfctl.models.fast import FastPaths, apply_fast_paths
+        from pfctl.models.vae import with_fast_paths
+
+        # automatic dynamic shapes: the token counts become dynamic once they change, the head sizes stay
+        # static (with every size dynamic, the graphs around row-grouped attention ran generic kernels)
+        applied = apply_fast_paths(dit, FastPaths(config.fast, compile=compiled, dynamic=None))
+        pflog.log("fast paths: " + (", ".join(applied) or "none"))
+        vae = with_fast_paths(vae, config.fast)
 
     jobs = _plan_jobs(specs, gen, runtime.seed, image)
     # several processes: each takes every world_size-th video (names never collide: exclusive publish)
@@ -776,7 +781,7 @@ def run_generate(
     results: list[VideoResult] = []
     graphs = None
     if gen.cuda_graphs and device.type == "cuda" and not offload and len(jobs) > 1:
-        from pfctl.sampling.cuda_graph import StageGraph
+        from pfctl.models.fast.cuda_graph import StageGraph
 
         # videos of one size repeat every stage's shapes: keep the graphs, later videos only replay them
         graphs = StageGraph(dit, keep=True)

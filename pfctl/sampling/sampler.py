@@ -14,15 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pfctl.errors import ConfigError, InputError
 from pfctl.flow.pyramid import history_clips, pyramid_latents, pyramid_noise, upsample_nearest2
 from pfctl.flow.scheduler import PyramidFlowScheduler
-from pfctl.models.dit_common import right_padded_lengths
-from pfctl.sampling.cuda_graph import StageGraph
+from pfctl.models.attention_layout import right_padded_lengths
+
+if TYPE_CHECKING:
+    from pfctl.models.fast.cuda_graph import StageGraph
 
 __all__ = ["TextConditioning", "generate_latents", "guidance_schedule"]
 
@@ -196,7 +198,7 @@ def generate_latents(
             starts from noise frame u - 1 (pfctl: frame u, as t2v), and linear guidance overwrites
             both scales (see :func:`guidance_schedule`).
         cuda_graphs: replay each stage's DiT forward as a CUDA graph after its first step
-            (:class:`pfctl.sampling.cuda_graph.StageGraph`: same kernels, no launch overhead);
+            (:class:`pfctl.models.fast.cuda_graph.StageGraph`: same kernels, no launch overhead);
             ignored off CUDA.
         graphs: with ``cuda_graphs``, a ``StageGraph(dit, keep=True)`` the caller holds across calls: each
             stage replays the graph an earlier video of the same size captured (the caller releases it).
@@ -226,6 +228,8 @@ def generate_latents(
     if device is None:
         device = text.prompt_embeds.device
     cuda_graphs = cuda_graphs and torch.device(device).type == "cuda"
+    if cuda_graphs:
+        from pfctl.models.fast.cuda_graph import StageGraph
     batch = text.batch_size
     shape = (batch, latent_channels, int(temp), int(height), int(width))
 

@@ -51,7 +51,7 @@ from pfctl.flow.pyramid import (
     pyramid_latents,
 )
 from pfctl.flow.scheduler import PyramidFlowScheduler
-from pfctl.models.dit_common import right_padded_lengths
+from pfctl.models.attention_layout import right_padded_lengths
 from pfctl.runtime import faults
 from pfctl.runtime import logging as pflog
 from pfctl.training import checkpoint as ckpt
@@ -425,12 +425,18 @@ class Trainer:
         check_cache_matches_model(self.cache, model)
         model.set_attention_backend(cfg.attention, cfg.skip_future_keys)
         self.lora_targets = setup_lora(model, cfg, rt) if cfg.lora.enabled else None
-        if cfg.compile:  # after LoRA: the compiled graphs then include the adapters
-            if rt.device.type == "cuda":
-                # column sizes change independently every step
-                model.compile_blocks(independent_sizes=True, cuda_graphs=cfg.cuda_graphs)
-            else:
-                pflog.log("train.compile is ignored on the CPU")
+        compiled = cfg.compile and rt.device.type == "cuda"  # after LoRA: the graphs include the adapters
+        if cfg.compile and not compiled:
+            pflog.log("train.compile is ignored on the CPU")
+        if self.config.fast.any_on or cfg.gradient_checkpointing or compiled:
+            from pfctl.models.fast import FastPaths, apply_fast_paths
+
+            ratio = cfg.gradient_checkpointing_ratio if cfg.gradient_checkpointing else 0.0
+            # column sizes change independently every step
+            paths = FastPaths(
+                self.config.fast, ratio, compiled, independent_sizes=True, cuda_graphs=cfg.cuda_graphs
+            )
+            pflog.log("fast paths: " + (", ".join(apply_fast_paths(model, paths)) or "none"))
         self.resume_from = ckpt.resolve_resume(cfg.resume, self.out / "checkpoints")
         self.loaded = ckpt.load_checkpoint(self.resume_from, rank=rt.rank) if self.resume_from else None
         if self.loaded is not None:
