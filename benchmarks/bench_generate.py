@@ -99,7 +99,7 @@ def build_components(preset: str, vae_config: dict, device: torch.device, dtype:
 
 
 class CallTimes:
-    """Records every DiT call made through :class:`pfctl.sampling.cuda_graph.StageGraph`: the tokens of its
+    """Records every DiT call made through :class:`pfctl.models.fast.cuda_graph.StageGraph`: the tokens of its
     column, what the call was (``eager``: a new signature's warm-up, ``capture``: recorded then replayed,
     ``replay``) and CUDA events around it, so that replay times and the cost of warm-ups and captures can be
     told apart without a profiler."""
@@ -108,7 +108,7 @@ class CallTimes:
 
     @classmethod
     def install(cls) -> list[dict]:
-        from pfctl.sampling import cuda_graph
+        from pfctl.models.fast import cuda_graph
 
         call = cuda_graph.StageGraph.__call__
 
@@ -222,7 +222,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
 
-    import pfctl.models.dit_common as dit_common
+    import pfctl.models.attention_layout as dit_common
     from pfctl.config import load_config
     from pfctl.config.generate import RESOLUTIONS
     from pfctl.models.vae import TINY_CAUSAL_VAE_CONFIG

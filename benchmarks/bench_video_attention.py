@@ -33,7 +33,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pfctl.models import dit_common as dc  # noqa: E402
+from pfctl.models import attention_layout as dc  # noqa: E402
 from pfctl.models.registry import preset_config  # noqa: E402
 from pfctl.sampling.sampler import TextConditioning, generate_latents  # noqa: E402
 
