@@ -168,17 +168,14 @@ class TrainConfig(Section):
     compile: bool = False
     """``torch.compile`` each DiT block (dynamic shapes, CUDA only; ignored on the CPU): fuses the
     norms, RoPE, modulation and residuals around the matmuls, forward and backward; the first step pays
-    the compilation (~70-110 s). Weights and checkpoint keys are unchanged. On an H200 the miniFLUX DiT
-    step on the reference's inputs goes from 0.235 to 0.172-0.186 s (1.8-2.2x the reference's); the whole
-    trainer with it is not yet measured on a GPU (on the CPU its blocks trace once per block type across
-    changing layouts: benchmarks/RESULTS.md)."""
+    the compilation. Weights and checkpoint keys are unchanged; blocks trace once per block type across
+    changing layouts (timings in benchmarks/RESULTS.md)."""
     cuda_graphs: bool = False
     """With ``compile``: each compiled block's forward and backward is also recorded as a CUDA graph, once
     per token count, and replayed (``torch.compile`` mode ``reduce-overhead``), so the host no longer sets
     the step's pace. Best with few distinct shapes (each new one is recorded once, and its graphs keep
-    their memory). On an H200, with ``attention=cudnn``: 0.132 s per DiT step on the reference's inputs,
-    2.6-3.0x the reference's (benchmarks/RESULTS.md). Held-out losses and validation samples run the
-    blocks eagerly. Not with gradient checkpointing or FSDP."""
+    their memory); fastest with ``attention=cudnn`` (benchmarks/RESULTS.md). Held-out losses and validation
+    samples run the blocks eagerly. Not with gradient checkpointing or FSDP."""
 
     # --- checkpoints ----------------------------------------------------------------------------
     checkpoint_every: int = Field(default=1000, ge=1)

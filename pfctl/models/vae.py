@@ -200,7 +200,7 @@ class PyramidCausalVAE:
         self.spatial_factor = int(module.spatial_factor)
         self.temporal_factor = int(module.temporal_factor)
         #: on CUDA, encode and decode channels-last (cuDNN's layout for 3-D convs, see
-        #: ``use_channels_last``): measured 1.2x faster on an H200 for both
+        #: ``use_channels_last``): faster for both (benchmarks/RESULTS.md)
         self.channels_last = True
 
     # -- sizes ---------------------------------------------------------------------------------

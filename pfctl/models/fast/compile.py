@@ -37,7 +37,7 @@ def compile_blocks(
     import torch._inductor.config as inductor_config
 
     # inductor's coalescing analysis (a tiling heuristic: speed, not results) asserted on dynamic-shape
-    # kernels of these blocks with torch 2.11 on the H200; the measured generate runs have it off
+    # kernels of these blocks with torch 2.11 on CUDA; the benchmarked generate runs have it off
     inductor_config.triton.coalesce_tiling_analysis = False
     if independent_sizes:
         import torch.fx.experimental._config as shape_config
