@@ -55,7 +55,7 @@ class RandomTextEncoder:
     dtype: torch.dtype
 
     def encode(self, prompts):
-        from pfctl.models.text_encoder import TextEmbeddings
+        from pfctl.models.text_embeddings import TextEmbeddings
 
         gen = torch.Generator().manual_seed(abs(hash(tuple(prompts))) % 2**31)
         n = len(prompts)

@@ -26,6 +26,7 @@ from torch import Tensor
 from pfctl.config.fast import FastPathsConfig
 from pfctl.errors import ConfigError, InputError, ModelLoadError, PfctlError
 from pfctl.models.causal_vae import CausalVideoVAE
+from pfctl.models.posterior import Posterior
 from pfctl.utils.io import fingerprint as _fingerprint
 from pfctl.utils.io import tensor_fingerprint
 
@@ -111,20 +112,6 @@ def denormalize_latents(z: Tensor, norm: LatentNorm) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 # interface
 # ---------------------------------------------------------------------------------------------
-@dataclass
-class Posterior:
-    """Diagonal Gaussian over latents, (B, C, t, h, w) each."""
-
-    mean: Tensor
-    std: Tensor
-
-    def sample(self, generator: torch.Generator | None = None) -> Tensor:
-        """``mean + std * eps``; eps drawn on the generator's device then moved (diffusers' convention)."""
-        device = generator.device if generator is not None else self.mean.device
-        eps = torch.randn(self.mean.shape, generator=generator, device=device, dtype=self.mean.dtype)
-        return self.mean + self.std * eps.to(self.mean.device)
-
-
 @runtime_checkable
 class VideoVAE(Protocol):
     """What every command may rely on, whatever the VAE family."""
