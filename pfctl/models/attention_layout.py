@@ -492,6 +492,34 @@ class PyramidAttention:
             text_valid, frame_ids, len(grids), temporal_causal, dtype, extents
         ), row_groups
 
+    def pyramid_layout(
+        self,
+        grids: Sequence[Sequence[tuple[int, int, int]]],
+        text_valid: torch.Tensor,
+        frame_ids: Sequence[torch.Tensor],
+        batch: int,
+        dtype: torch.dtype,
+        text_lengths: Sequence[int] | None,
+        rope: RotaryTable | None = None,
+        joint_rope: RotaryTable | None = None,
+    ) -> PyramidLayout:
+        """The :class:`PyramidLayout` of one forward over the columns' clip ``grids`` ``(t, h, w)`` (tokens):
+        token counts, masks in ``dtype`` and row groups (:meth:`attention_masks`), and the model's RoPE
+        tables."""
+        attn_masks, row_groups = self.attention_masks(text_valid, grids, frame_ids, text_lengths, dtype)
+        return PyramidLayout(
+            num_columns=len(grids),
+            batch=batch,
+            text_len=text_valid.shape[1],
+            image_lengths=[sum(t * h * w for t, h, w in col) for col in grids],
+            tail_lengths=[t * h * w for t, h, w in (col[-1] for col in grids)],
+            attn_masks=attn_masks,
+            attention_backend=self.attention_backend,
+            rope=rope,
+            joint_rope=joint_rope,
+            row_groups=row_groups,
+        )
+
     def align_text(
         self,
         encoder_hidden_states: torch.Tensor,

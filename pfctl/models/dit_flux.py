@@ -289,20 +289,15 @@ class PyramidFluxTransformer(PyramidAttention, ModelMixin, ConfigMixin):
         cos, sin = rope_tables(positions, self.config.axes_dims_rope)  # 2 x [N, hd/2]
         text_len = encoder_attention_mask.shape[1]
         frame_ids = [clip_frame_ids(col, device) for col in grids]
-        attn_masks, row_groups = self.attention_masks(
-            encoder_attention_mask != 0, grids, frame_ids, text_lengths, attn_dtype
-        )
-        return PyramidLayout(
-            len(grids),
+        return self.pyramid_layout(
+            grids,
+            encoder_attention_mask != 0,
+            frame_ids,
             batch,
-            text_len,
-            image_lengths,
-            [t * h * w for t, h, w in (col[-1] for col in grids)],
-            attn_masks,
-            self.attention_backend,
+            attn_dtype,
+            text_lengths,
             rope=rotary_table(cos, sin),
             joint_rope=rotary_table(*with_text_identity(cos, sin, image_lengths, text_len)),
-            row_groups=row_groups,
         )
 
     def forward(

@@ -295,29 +295,15 @@ class PyramidDiffusionMMDiT(PyramidAttention, ModelMixin, ConfigMixin):
     ) -> PyramidLayout:
         """Token counts, temporal RoPE table and attention masks (in ``attn_dtype``, the dtype of q) of one call
         (built once per forward)."""
-        device = encoder_attention_mask.device
-        frame_ids = [clip_frame_ids(col, device) for col in grids]
+        frame_ids = [clip_frame_ids(col, encoder_attention_mask.device) for col in grids]
         text_valid = encoder_attention_mask != 0
         if not self.config.use_t5_mask:
             text_valid = torch.ones_like(text_valid)
-        text_len = encoder_attention_mask.shape[1]
-        image_lengths = [sum(t * h * w for t, h, w in col) for col in grids]
-        attn_masks, row_groups = self.attention_masks(text_valid, grids, frame_ids, text_lengths, attn_dtype)
         rope = None
         if self.temporal_rope:
             frames = torch.cat(frame_ids).float()[:, None]  # [N, 1]
             rope = rotary_table(*rope_tables(frames, [self.config.attention_head_dim]))
-        return PyramidLayout(
-            len(grids),
-            batch,
-            text_len,
-            image_lengths,
-            [t * h * w for t, h, w in (col[-1] for col in grids)],
-            attn_masks,
-            self.attention_backend,
-            rope=rope,
-            row_groups=row_groups,
-        )
+        return self.pyramid_layout(grids, text_valid, frame_ids, batch, attn_dtype, text_lengths, rope=rope)
 
     def forward(
         self,
