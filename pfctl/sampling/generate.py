@@ -28,7 +28,7 @@ import re
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -921,10 +921,7 @@ def _is_ema_load(config: Any) -> bool:
 
 
 def _cond_to(text: Any, device: torch.device) -> Any:
-    from pfctl.sampling.sampler import TextConditioning
-
-    moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in asdict(text).items()}
-    return TextConditioning(**moved)
+    return text.to(device)
 
 
 def _write_outputs(

@@ -778,6 +778,7 @@ class Trainer:
         Latents are saved normalised (``pfctl generate`` decodes with the VAE); the same seed every
         time, so samples of successive steps are comparable. Under FSDP every rank takes part.
         """
+        from pfctl.models.text_embeddings import TextEmbeddings
         from pfctl.sampling.sampler import TextConditioning, generate_latents
         from pfctl.utils.io import atomic_save_safetensors
 
@@ -794,10 +795,8 @@ class Trainer:
         with rt.accelerator.autocast():
             latents = generate_latents(
                 dit,
-                TextConditioning(
-                    text["prompt_embeds"].float(), text["prompt_attention_mask"].long(), text["pooled_prompt_embeds"].float(),
-                    null["prompt_embeds"].float(), null["prompt_attention_mask"].long(), null["pooled_prompt_embeds"].float(),
-                ),
+                TextConditioning(TextEmbeddings.from_dict(text).to(dtype=torch.float32),
+                                 TextEmbeddings.from_dict(null).to(dtype=torch.float32)),
                 temp=cfg.validation_units, height=int(first["height"]), width=int(first["width"]),
                 num_inference_steps=10, video_num_inference_steps=10,
                 generator=torch.Generator(device=rt.device).manual_seed(rt.seed), device=rt.device,

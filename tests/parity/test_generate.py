@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers.parity import reference_flux_dit, rel_error
+from pfctl.models.text_embeddings import TextEmbeddings
 from pfctl.sampling.sampler import TextConditioning, generate_latents
 
 pytestmark = pytest.mark.parity
@@ -63,14 +64,8 @@ def _kwargs(tensors: dict, meta: dict) -> dict:
 
 
 def _text(tensors: dict) -> TextConditioning:
-    return TextConditioning(
-        tensors["prompt_embeds"],
-        tensors["prompt_attention_mask"],
-        tensors["pooled_prompt_embeds"],
-        tensors["negative_prompt_embeds"],
-        tensors["negative_prompt_attention_mask"],
-        tensors["negative_pooled_prompt_embeds"],
-    )
+    negative = {k: tensors[f"negative_{k}"] for k in TextEmbeddings.KEYS}
+    return TextConditioning(TextEmbeddings.from_dict(tensors), TextEmbeddings.from_dict(negative))
 
 
 class ReplayDiT:

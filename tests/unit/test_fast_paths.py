@@ -15,6 +15,7 @@ from helpers.tiny_models import tiny_dit
 from pfctl.config.fast import FastPathsConfig
 from pfctl.models.fast import FastPaths, apply_fast_paths
 from pfctl.models.fast.cuda_graph import StageGraph, flatten_tensors, signature, unflatten_tensors
+from pfctl.models.text_embeddings import TextEmbeddings
 from pfctl.sampling.sampler import TextConditioning, generate_latents
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -33,7 +34,7 @@ def _text(dit: torch.nn.Module, device: str = "cpu", seed: int = 0) -> TextCondi
             torch.randn(1, cfg.pooled_projection_dim, generator=gen).to(device),
         )
 
-    return TextConditioning(*features(4), *features(2))
+    return TextConditioning(TextEmbeddings(*features(4)), TextEmbeddings(*features(2)))
 
 
 def _sample(dit: torch.nn.Module, device: str, temp: int = 3, **kwargs: object) -> torch.Tensor:
