@@ -57,8 +57,11 @@ def apply_fast_paths(model: nn.Module, paths: FastPaths) -> list[str]:
     if paths.checkpointing_ratio > 0 and blocks_in_order is not None:
         from pfctl.models.fast.checkpointing import Checkpointed, checkpointed_blocks
 
-        for _, block in checkpointed_blocks(blocks_in_order(), paths.checkpointing_ratio):
+        blocks = blocks_in_order()
+        chosen = {id(block) for _, block in checkpointed_blocks(blocks, paths.checkpointing_ratio)}
+        for _, block in blocks:
             swap_class(block, Checkpointed)
+            block.activation_checkpointing = id(block) in chosen
         applied.append(f"activation checkpointing (ratio {paths.checkpointing_ratio:g})")
     if paths.compile and blocks_in_order is not None:
         from pfctl.models.fast.compile import compile_blocks

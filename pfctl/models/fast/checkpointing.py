@@ -19,10 +19,14 @@ __all__ = ["Checkpointed", "checkpointed_blocks"]
 
 
 class Checkpointed:
-    """Mixin of a block: its call runs under ``torch.utils.checkpoint`` (non-reentrant) when training."""
+    """Mixin of a block: its call runs under ``torch.utils.checkpoint`` (non-reentrant) when training, if
+    ``activation_checkpointing`` is set on it. Every block of a model gets the mixin (so blocks of one kind
+    keep one class, which FSDP's wrap policy matches by class) and the flag says which ones recompute."""
+
+    activation_checkpointing: bool = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.training and torch.is_grad_enabled():
+        if self.activation_checkpointing and self.training and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(super().__call__, *args, use_reentrant=False, **kwargs)
         return super().__call__(*args, **kwargs)
 
