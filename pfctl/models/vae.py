@@ -207,6 +207,18 @@ class PyramidCausalVAE:
                 self.module.use_channels_last(self.channels_last)
         return param.device, param.dtype
 
+    def _run(self, fn: Any, x: Tensor, chunking: str, window: int, tile: int | None, **extra: Any) -> Any:
+        """``fn`` (the module's encode or decode) on ``x`` moved to the module, without gradients."""
+        device, dtype = self._placement()
+        with torch.no_grad():
+            return fn(
+                x.to(device=device, dtype=dtype),
+                temporal_chunk=chunking != "none",
+                window_size=window,
+                tile_sample_min_size=tile,
+                **extra,
+            )
+
     def _check_chunking(self, chunking: str, allowed: tuple[str, ...]) -> None:
         if chunking not in allowed:
             raise ConfigError(f"unknown VAE chunking {chunking!r}", hint=f"use one of {', '.join(allowed)}")
@@ -246,14 +258,7 @@ class PyramidCausalVAE:
                 f"chunk_frames={chunk_frames!r} is not a positive multiple of {self.temporal_factor}",
                 hint="use e.g. 8, 16 or 32 pixel frames per chunk (default 16)",
             )
-        device, dtype = self._placement()
-        with torch.no_grad():
-            posterior = self.module.encode(
-                video.to(device=device, dtype=dtype),
-                temporal_chunk=chunking != "none",
-                window_size=window,
-                tile_sample_min_size=tile,
-            )
+        posterior = self._run(self.module.encode, video, chunking, window, tile)
         return Posterior(mean=posterior.mean.float(), std=posterior.std.float())
 
     def decode(
@@ -279,15 +284,7 @@ class PyramidCausalVAE:
                 f"chunk_frames={chunk_frames!r} is not a positive number of latent frames",
                 hint="use 1 or 2 latent frames per chunk",
             )
-        device, dtype = self._placement()
-        with torch.no_grad():
-            video = self.module.decode(
-                latents.to(device=device, dtype=dtype),
-                temporal_chunk=chunking != "none",
-                window_size=window,
-                tile_sample_min_size=tile,
-                output_dtype=torch.float32,
-            )
+        video = self._run(self.module.decode, latents, chunking, window, tile, output_dtype=torch.float32)
         return video.contiguous()
 
     # -- normalisation / identity --------------------------------------------------------------

@@ -65,26 +65,29 @@ class ResnetBlock(nn.Module):
         return (x if self.conv_shortcut is None else self.conv_shortcut(x, cache)) + h
 
 
-class SpatialDownsample(nn.Module):
+class _Downsample(nn.Module):
+    """A stride-2 causal conv along the axes of ``stride`` (key ``conv.conv``)."""
+
+    stride: tuple[int, int, int]
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = CausalConv3d(channels, channels, 3, stride=self.stride)
+
+    def forward(self, x: Tensor, cache: FrameCache | None = None) -> Tensor:
+        return self.conv(x, cache)
+
+
+class SpatialDownsample(_Downsample):
     """Stride (1, 2, 2) causal conv: halves H and W."""
 
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.conv = CausalConv3d(channels, channels, 3, stride=(1, 2, 2))
-
-    def forward(self, x: Tensor, cache: FrameCache | None = None) -> Tensor:
-        return self.conv(x, cache)
+    stride = (1, 2, 2)
 
 
-class TemporalDownsample(nn.Module):
+class TemporalDownsample(_Downsample):
     """Stride (2, 1, 1) causal conv: T -> (T + 1) // 2 (17 -> 9 -> 5 -> 3)."""
 
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.conv = CausalConv3d(channels, channels, 3, stride=(2, 1, 1))
-
-    def forward(self, x: Tensor, cache: FrameCache | None = None) -> Tensor:
-        return self.conv(x, cache)
+    stride = (2, 1, 1)
 
 
 def _conv_before_rearrange(
