@@ -222,7 +222,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
 
-    import pfctl.models.attention_layout as dit_common
+    import pfctl.models.attention_layout as attention_layout
     from pfctl.config import load_config
     from pfctl.config.generate import RESOLUTIONS
     from pfctl.models.vae import TINY_CAUSAL_VAE_CONFIG
@@ -296,11 +296,11 @@ def main() -> None:
         "compile": cuda and args.compile,
         "skip_future_keys": args.skip_future_keys,
         "row_group_min_tokens": (
-            dit_common.ROW_GROUP_MIN_TOKENS
+            attention_layout.ROW_GROUP_MIN_TOKENS
             if config.generate.row_group_min_tokens is None
             else config.generate.row_group_min_tokens
         ),
-        "row_group_min_rows": dit_common.ROW_GROUP_MIN_ROWS,
+        "row_group_min_rows": attention_layout.ROW_GROUP_MIN_ROWS,
         "build_s": build_s,
         "videos": rows,
         "seconds_per_video": sum(r["total_s"] for r in steady) / len(steady),
