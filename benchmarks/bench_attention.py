@@ -76,7 +76,7 @@ def grouped(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, backend: str, groups: list
 ) -> torch.Tensor:
     """pfctl's row-grouped attention (``[B, H, S, hd]`` in and out, like the SDPA calls it is timed against)."""
-    from pfctl.models.dit_common import masked_attention
+    from pfctl.models.attention_layout import masked_attention
 
     heads = q.shape[1]
     out = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bias, backend, groups)
@@ -87,7 +87,7 @@ def measure(case: str, device: torch.device, dtype: torch.dtype, repeats: int, f
     from torch.nn.attention import SDPBackend
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from pfctl.models.dit_common import build_attention_bias, causal_row_groups, visibility_rules
+    from pfctl.models.attention_layout import build_attention_bias, causal_row_groups, visibility_rules
 
     batch, frames = CASES[case]
     text_valid, frame_ids = layout(batch, frames, device)

@@ -99,6 +99,8 @@ def main() -> None:
     from bench_generate import REAL_VAE, build_components
     from kernel_profile import kernel_breakdown, print_breakdown
 
+    from pfctl.models.fast import FastPaths, apply_fast_paths
+
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -116,7 +118,8 @@ def main() -> None:
         torch._dynamo.reset()
         cache_dir = Path(tempfile.mkdtemp(prefix=f"pfctl-inductor-{mode}-"))
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)  # this mode's kernels only (read per compile)
-        dit.compile_blocks(dynamic={"dynamic": True, "static": False, "automatic": None}[mode])
+        dynamic = {"dynamic": True, "static": False, "automatic": None}[mode]
+        apply_fast_paths(dit, FastPaths(compile=True, dynamic=dynamic))
         t0 = time.perf_counter()
         with torch.no_grad():
             if (

@@ -55,7 +55,7 @@ class RandomTextEncoder:
     dtype: torch.dtype
 
     def encode(self, prompts):
-        from pfctl.models.text_encoder import TextEmbeddings
+        from pfctl.models.text_embeddings import TextEmbeddings
 
         gen = torch.Generator().manual_seed(abs(hash(tuple(prompts))) % 2**31)
         n = len(prompts)
@@ -99,7 +99,7 @@ def build_components(preset: str, vae_config: dict, device: torch.device, dtype:
 
 
 class CallTimes:
-    """Records every DiT call made through :class:`pfctl.sampling.cuda_graph.StageGraph`: the tokens of its
+    """Records every DiT call made through :class:`pfctl.models.fast.cuda_graph.StageGraph`: the tokens of its
     column, what the call was (``eager``: a new signature's warm-up, ``capture``: recorded then replayed,
     ``replay``) and CUDA events around it, so that replay times and the cost of warm-ups and captures can be
     told apart without a profiler."""
@@ -108,7 +108,7 @@ class CallTimes:
 
     @classmethod
     def install(cls) -> list[dict]:
-        from pfctl.sampling import cuda_graph
+        from pfctl.models.fast import cuda_graph
 
         call = cuda_graph.StageGraph.__call__
 
@@ -222,7 +222,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
 
-    import pfctl.models.dit_common as dit_common
+    import pfctl.models.attention_layout as attention_layout
     from pfctl.config import load_config
     from pfctl.config.generate import RESOLUTIONS
     from pfctl.models.vae import TINY_CAUSAL_VAE_CONFIG
@@ -296,11 +296,11 @@ def main() -> None:
         "compile": cuda and args.compile,
         "skip_future_keys": args.skip_future_keys,
         "row_group_min_tokens": (
-            dit_common.ROW_GROUP_MIN_TOKENS
+            attention_layout.ROW_GROUP_MIN_TOKENS
             if config.generate.row_group_min_tokens is None
             else config.generate.row_group_min_tokens
         ),
-        "row_group_min_rows": dit_common.ROW_GROUP_MIN_ROWS,
+        "row_group_min_rows": attention_layout.ROW_GROUP_MIN_ROWS,
         "build_s": build_s,
         "videos": rows,
         "seconds_per_video": sum(r["total_s"] for r in steady) / len(steady),

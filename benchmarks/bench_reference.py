@@ -258,9 +258,11 @@ def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 # ----------------------------------------------------------------------------- main
 def side_by_side_generate(args: argparse.Namespace, Reference: type, device: torch.device) -> dict:
     """Sampling + decode of one video by both implementations; returns the result record."""
+    from pfctl.config.fast import FastPathsConfig
     from pfctl.config.generate import RESOLUTIONS, GenerateConfig
     from pfctl.models.checkpoint import load_dit_folder
-    from pfctl.models.vae import TINY_CAUSAL_VAE_CONFIG, load_vae
+    from pfctl.models.fast import FastPaths, apply_fast_paths
+    from pfctl.models.vae import TINY_CAUSAL_VAE_CONFIG, load_vae, with_fast_paths
     from pfctl.sampling.decode import decode_latents, free_memory, resolve_decode_tile
     from pfctl.sampling.sampler import SamplingSettings, TextConditioning, generate_latents
 
@@ -325,10 +327,10 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
     defaults = GenerateConfig()  # attention as pfctl generate sets it unless told otherwise
     skip = defaults.skip_future_keys if args.skip_future_keys is None else args.skip_future_keys
     dit.set_attention_backend(args.attention or defaults.attention, skip, defaults.row_group_min_tokens)
-    if args.compile and cuda:
-        # as pfctl generate compiles (automatic dynamic shapes); the first timed run pays the compilation
-        dit.compile_blocks(dynamic=None)
-    vae = load_vae(str(folder / "causal_video_vae"), dtype=dtype, device=device)
+    # as pfctl generate applies its fast paths and compiles (automatic dynamic shapes); the first timed run
+    # pays the compilation
+    apply_fast_paths(dit, FastPaths(compile=args.compile and cuda, dynamic=None))
+    vae = with_fast_paths(load_vae(str(folder / "causal_video_vae"), dtype=dtype, device=device), FastPathsConfig())
     conditioning = TextConditioning.from_pair(positive, negative)
     settings = SamplingSettings(
         num_inference_steps=tuple(steps[0]),
@@ -341,7 +343,7 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
         settings=settings, temp=temp, height=height // 8, width=width // 8, dtype=dtype, device=device
     )
     if cuda and not args.no_cuda_graphs:
-        from pfctl.sampling.cuda_graph import StageGraph
+        from pfctl.models.fast.cuda_graph import StageGraph
 
         # as pfctl generate runs several videos of one size: the graphs captured by the first run replay
         # in the later ones (the timed run is the last)
@@ -451,8 +453,9 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
 
     from pfctl.config.train import TrainConfig
     from pfctl.flow.loss import flow_matching_loss
+    from pfctl.models.attention_layout import right_padded_lengths
     from pfctl.models.checkpoint import load_dit_folder
-    from pfctl.models.dit_common import right_padded_lengths
+    from pfctl.models.fast import FastPaths, apply_fast_paths
     from pfctl.training.optim import build_optimizer
 
     cuda = device.type == "cuda"
@@ -557,9 +560,10 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
         compiled = "compile" in options and cuda
         dit = load_dit_folder(folder / VARIANT, dtype=torch.float32, device=device).train()
         dit.set_attention_backend(attention, skip_future_keys="skip" in options)
-        if compiled:
-            torch._dynamo.reset()
-            dit.compile_blocks(independent_sizes=True, cuda_graphs="graphs" in options)  # as the trainer does
+        torch._dynamo.reset()
+        apply_fast_paths(  # as the trainer does
+            dit, FastPaths(compile=compiled, independent_sizes=True, cuda_graphs="graphs" in options)
+        )
         opt = build_optimizer(dit, TrainConfig(**optimizer_args))
 
         host: list[tuple[float, float, float]] = []  # per step: seconds the host spent launching each phase

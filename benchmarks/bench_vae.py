@@ -31,7 +31,7 @@ sys.path.insert(0, str(HERE))
 from bench_generate import REAL_VAE  # noqa: E402
 from bench_reference import _sync, import_reference  # noqa: E402
 
-from pfctl.models.causal_vae import fused  # noqa: E402
+from pfctl.models.fast import FastPaths, apply_fast_paths  # noqa: E402
 
 # (work, latent or pixel shape, window, tile); window/tile None = no chunking / no tiling
 DECODE_384 = (1, 16, 16, 48, 80)
@@ -223,6 +223,10 @@ def main() -> None:
     ref = build_reference(args.reference, model, config, device, dtype) if args.reference else None
     only = set(filter(None, args.only.split(",")))
     results, profiles = [], {}
+    # the plain modules and the fused ones (pfctl.models.fast.vae_norm), swapped per layout
+    plain = {m: type(m) for m in model.modules()}
+    apply_fast_paths(model, FastPaths())
+    fused = {m: type(m) for m in model.modules()}
     gen = torch.Generator(device="cpu").manual_seed(0)
     for work, shape, window, tile, with_ref in cases(args.small):
         if only and work not in only:
@@ -231,7 +235,8 @@ def main() -> None:
         outputs = {}
         for layout in args.layouts.split(","):
             model.use_channels_last(layout.startswith("channels_last"))
-            fused.ENABLED = layout != "channels_last_unfused"
+            for module, cls in (plain if layout == "channels_last_unfused" else fused).items():
+                module.__class__ = cls
             try:
                 out, sec, peak = measure(pfctl_fn(model, work, x, window, tile), device, args.repeats)
             except torch.OutOfMemoryError:
@@ -251,7 +256,6 @@ def main() -> None:
             del out
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        fused.ENABLED = True
         if "contiguous" in outputs and outputs["contiguous"] is not None:  # each other layout vs contiguous
             for row, (layout, out) in zip(results[-len(outputs) :], outputs.items(), strict=True):
                 if layout != "contiguous" and out is not None:

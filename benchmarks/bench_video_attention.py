@@ -33,8 +33,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pfctl.models import dit_common as dc  # noqa: E402
+from pfctl.models import attention_layout as dc  # noqa: E402
 from pfctl.models.registry import preset_config  # noqa: E402
+from pfctl.models.text_embeddings import TextEmbeddings  # noqa: E402
 from pfctl.sampling.sampler import TextConditioning, generate_latents  # noqa: E402
 
 RESOLUTIONS = {"768p": (96, 160), "384p": (48, 80)}  # latent height, width
@@ -53,7 +54,7 @@ def video_columns(height: int, width: int, temp: int) -> collections.Counter[Gri
         return [torch.zeros_like(clips[-1])]
 
     embeds, mask, pooled = torch.zeros(1, 4, 4), torch.ones(1, 4, dtype=torch.int64), torch.zeros(1, 4)
-    text = TextConditioning(embeds, mask, pooled, embeds, mask, pooled)
+    text = TextConditioning(TextEmbeddings(embeds, mask, pooled), TextEmbeddings(embeds, mask, pooled))
     generate_latents(record, text, temp=temp, height=height, width=width, latent_channels=1, device="cpu")
     return calls
 

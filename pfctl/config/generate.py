@@ -134,31 +134,28 @@ class GenerateConfig(Section):
     (encode prompts → sample → decode); saves several GB of GPU memory."""
     compile: bool = False
     """``torch.compile`` each DiT block (automatic dynamic shapes: the token counts become dynamic once they
-    change; CUDA only). The first video pays the compilation (~30 s on an H200 at 384p, ~55 s at 768p),
-    later ones sample faster (5 s at 384p: 15.6 s → 10.1 s; at 768p 38.4 s with the graphs kept); worth it
-    for several videos in one run."""
+    change; CUDA only). The first video pays the compilation, later ones sample faster: worth it for several
+    videos in one run (timings in benchmarks/RESULTS.md)."""
     cuda_graphs: bool = True
     """Replay each stage's DiT forward as a CUDA graph after its first step: the same kernels
     without the launch overhead that dominates the small low-resolution calls (CUDA only). With several
     videos in a run the graphs are kept (one shared memory pool), and a later video of the same size replays
-    every stage from its first step (768p on an H200: 2.3 s less per video)."""
+    every stage from its first step (no warm-up, no capture)."""
     attention: Literal["auto", "efficient", "cudnn"] = "auto"
     """The kernel of the DiT's masked attention (SDPA with an additive mask in every case): ``auto``
-    leaves it to PyTorch, which on H100/H200 picks cuDNN's (the generate timings in
-    benchmarks/RESULTS.md ran so); ``efficient`` the memory-efficient kernel; ``cudnn`` cuDNN's first.
+    leaves it to PyTorch, which on recent GPUs picks cuDNN's; ``efficient`` the memory-efficient kernel;
+    ``cudnn`` cuDNN's first.
     Same results within bf16 rounding; no effect on the CPU."""
     skip_future_keys: bool = True
     """Cut the text padding and attend the query rows of each column in groups of whole frames (closing at
     512 rows; a frame that large alone), each against the keys up to its last frame only: the keys temporal
     causality hides are not computed, and a single frame's rows attend with no mask at all. Same results up
-    to float rounding; on an H200 the attention of a 768p video takes 13.0 s instead of 28.6 s in one masked
-    call per column (benchmarks/RESULTS.md)."""
+    to float rounding, less than half the attention time of one masked call per column (benchmarks/RESULTS.md)."""
     row_group_min_tokens: int | None = Field(default=0, ge=0)
     """With ``skip_future_keys``: the shortest column (text + image tokens) attended in row groups; shorter
-    ones take one masked call. ``0`` (default) groups every column: on an H200, with CUDA graphs, the attention
-    of a whole video then takes 13.0 s at 768p and 1.48 s at 384p, against 14.9 s and 1.99 s with only
-    columns of 6,144+ tokens grouped (benchmarks/bench_video_attention.py). None = the model's own threshold
-    (6,144, what training uses)."""
+    ones take one masked call. ``0`` (default) groups every column, the fastest choice with CUDA graphs
+    (benchmarks/bench_video_attention.py, RESULTS.md). None = the model's own threshold (6,144, what training
+    uses)."""
 
     @field_validator("num_inference_steps", "video_num_inference_steps")
     @classmethod

@@ -13,6 +13,7 @@ from pydantic import Field
 
 from pfctl.config.base import Section
 from pfctl.config.encode import EncodeConfig
+from pfctl.config.fast import FastPathsConfig
 from pfctl.config.generate import GenerateConfig
 from pfctl.config.train import TrainConfig
 from pfctl.config.verify import VerifyConfig
@@ -61,3 +62,4 @@ class RecipeConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     generate: GenerateConfig = Field(default_factory=GenerateConfig)
     verify: VerifyConfig = Field(default_factory=VerifyConfig)
+    fast: FastPathsConfig = Field(default_factory=FastPathsConfig)

@@ -447,14 +447,14 @@ def _inputs(config: RecipeConfig) -> tuple[RecipeConfig, dict[str, Any] | None, 
 
 def _prepare(config: RecipeConfig, runtime: Runtime, *, dry_run: bool) -> _Run:
     """Step 1: inputs, VAE, the settled encode settings, their checks, and the cache header."""
-    from pfctl.models.vae import load_vae
+    from pfctl.models.vae import load_vae, with_fast_paths
 
     config, manifest, items = _inputs(config)
     vae_spec = setup.resolve_vae_spec(config)
     dtype = setup.resolve_dtype(config)
     text_source = setup.resolve_text_folder(config)
     device = torch.device("cpu") if dry_run else runtime.device
-    vae = load_vae(vae_spec, dtype=dtype, device=device)
+    vae = with_fast_paths(load_vae(vae_spec, dtype=dtype, device=device), config.fast)
     cfg = config.encode
     if manifest is not None:  # the embedded model: its trained size, frame rate and clip length
         cfg = setup.apply_model_settings(cfg, setup.model_encode_settings(manifest, vae.temporal_factor))

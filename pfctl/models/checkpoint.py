@@ -52,7 +52,6 @@ Fine-tuned DiT checkpoints written by the reference trainer (a torch file whose 
 from __future__ import annotations
 
 import copy
-import hashlib
 import importlib
 import json
 import os
@@ -67,6 +66,7 @@ from typing import Any
 import torch
 
 from pfctl.errors import CheckpointError, ConfigError, ModelLoadError, PfctlError
+from pfctl.models.weights import file_digest, folder_digest
 
 EXPORT_MARKER = "pfctl_export.json"
 EXPORT_FORMAT = "pfctl-export"
@@ -105,39 +105,6 @@ MODEL_NAME_TO_CLASS = {name: cls for cls, (_, name) in DIT_CLASSES.items()}
 # Small helpers: digests, JSON, DiT classes
 # --------------------------------------------------------------------------------------------
 
-_DIGEST_EDGE = 1 << 20
-
-
-def file_digest(path: str | os.PathLike[str]) -> str:
-    """A cheap content digest: full sha256 up to 2 MiB, else size + first and last MiB.
-
-    Hashing a 9 GB T5 on every load would take longer than loading it; name + size + both ends
-    catches re-downloads, truncation and swapped files, which is what fingerprints are for.
-    """
-    path = Path(path)
-    size = path.stat().st_size
-    digest = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as fh:
-        if size <= 2 * _DIGEST_EDGE:
-            digest.update(fh.read())
-        else:
-            digest.update(fh.read(_DIGEST_EDGE))
-            fh.seek(size - _DIGEST_EDGE)
-            digest.update(fh.read(_DIGEST_EDGE))
-    return digest.hexdigest()[:16]
-
-
-def folder_digest(folder: str | os.PathLike[str]) -> str:
-    """:func:`file_digest` of every (non-hidden) file under ``folder``, by relative path."""
-    from pfctl.utils.io import fingerprint
-
-    folder = Path(folder)
-    entries = {}
-    for p in sorted(folder.rglob("*")):
-        rel = p.relative_to(folder)
-        if p.is_file() and not any(part.startswith(".") for part in rel.parts):
-            entries[rel.as_posix()] = file_digest(p)
-    return fingerprint(entries)
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
@@ -507,7 +474,28 @@ def load_components(
         else info["root"] if layout.kind == "official" else None
     )  # fmt: skip
 
-    # -- which DiT class / model name ------------------------------------------------------
+    model_name, class_name = _resolve_model_name(layout, model_name)
+    info["model_name"] = model_name
+    info["dit_class"] = class_name or MODEL_NAME_TO_CLASS[model_name]
+    fps: dict[str, str] = {}
+    info["fingerprints"] = fps
+    dit = None
+    if "dit" in need:
+        dit = _load_dit_part(layout, variant, dit_dtype or dtype, device, dit_overrides, dit_checkpoint, info)
+    elif dit_checkpoint is not None:
+        raise ConfigError("dit_checkpoint was given but 'dit' is not in need=")
+    vae_obj = _load_vae_part(layout, vae, vae_dtype or dtype, device, model_name, info) if "vae" in need else None
+    text = None
+    if "text" in need:
+        text = _load_text_part(layout, model_name, dtype, device, info)
+        if dit is not None:
+            _check_text_dims(dit, text, Path(info["text_path"]))
+    return Components(dit=dit, vae=vae_obj, text_encoder=text, info=info)
+
+
+def _resolve_model_name(layout: Any, model_name: str | None) -> tuple[str, str | None]:
+    """The model name (``pyramid_flux``/``pyramid_mmdit``) and the DiT class of ``layout``: from the DiT's
+    ``config.json``, else the export marker, else the text encoders found; ``model_name`` must agree."""
     dit_folder = layout.dit_folder
     class_name: str | None = None
     if dit_folder is not None and (dit_folder / "config.json").is_file():
@@ -527,63 +515,67 @@ def load_components(
 
         base = _find_aux(layout, ("text_encoder",))
         model_name = (detect_text_encoder_kind(base) if base else None) or "pyramid_flux"
-    info["model_name"] = model_name
-    info["dit_class"] = class_name or MODEL_NAME_TO_CLASS[model_name]
-    fps: dict[str, str] = {}
-    info["fingerprints"] = fps
+    return model_name, class_name
 
-    # -- DiT ---------------------------------------------------------------------------------
-    dit = None
-    if "dit" in need:
-        if dit_folder is None or not dit_folder.is_dir() or not (dit_folder / "config.json").is_file():
-            raise _missing_dit_error(layout, variant)
-        dit = load_dit_folder(dit_folder, dtype=dit_dtype or dtype, device="cpu", overrides=dit_overrides)
-        info["dit_path"] = str(dit_folder)
-        fps["dit"] = folder_digest(dit_folder)
-        if dit_checkpoint is not None:
-            load_dit_checkpoint(dit, dit_checkpoint)
-            info["dit_checkpoint"] = str(dit_checkpoint)
-            fps["dit"] = fingerprint_of({"folder": fps["dit"], "checkpoint": file_digest(dit_checkpoint)})
-        dit = _module_to(dit, device=device)
-    elif dit_checkpoint is not None:
-        raise ConfigError("dit_checkpoint was given but 'dit' is not in need=")
 
-    # -- VAE ---------------------------------------------------------------------------------
-    vae_obj = None
-    if "vae" in need:
-        from pfctl.models.vae import load_vae
+def _load_dit_part(
+    layout: Any,
+    variant: str | None,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    overrides: dict[str, Any] | None,
+    dit_checkpoint: str | os.PathLike[str] | None,
+    info: dict[str, Any],
+) -> torch.nn.Module:
+    """The DiT of ``layout`` (with ``dit_checkpoint``'s weights if given), its path and fingerprint in ``info``."""
+    dit_folder = layout.dit_folder
+    if dit_folder is None or not dit_folder.is_dir() or not (dit_folder / "config.json").is_file():
+        raise _missing_dit_error(layout, variant)
+    dit = load_dit_folder(dit_folder, dtype=dtype, device="cpu", overrides=overrides)
+    info["dit_path"] = str(dit_folder)
+    fps = info["fingerprints"]
+    fps["dit"] = folder_digest(dit_folder)
+    if dit_checkpoint is not None:
+        load_dit_checkpoint(dit, dit_checkpoint)
+        info["dit_checkpoint"] = str(dit_checkpoint)
+        fps["dit"] = fingerprint_of({"folder": fps["dit"], "checkpoint": file_digest(dit_checkpoint)})
+    return _module_to(dit, device=device)
 
-        spec = vae
-        if spec is None:
-            base = _find_aux(layout, (VAE_SUBFOLDER,))
-            if base is None:
-                raise _aux_missing_error(layout, (VAE_SUBFOLDER,), "causal video VAE")
-            spec = str(base / VAE_SUBFOLDER)
-        vae_obj = load_vae(spec, dtype=vae_dtype or dtype, device=device)
-        if model_name == "pyramid_mmdit":
-            vae_obj = _with_sd3_latent_norm(vae_obj)
-        info["vae_path"] = spec
-        fps["vae"] = vae_obj.fingerprint()
 
-    # -- text --------------------------------------------------------------------------------
-    text = None
-    if "text" in need:
-        from pfctl.models.text_encoder import (
-            FLUX_SUBFOLDERS,
-            SD3_SUBFOLDERS,
-            load_text_encoder,
-        )
+def _load_vae_part(
+    layout: Any, spec: str | None, dtype: torch.dtype, device: str | torch.device, model_name: str,
+    info: dict[str, Any],
+) -> Any:  # fmt: skip
+    """The VAE (``spec``, else the layout's ``causal_video_vae/``), its path and fingerprint in ``info``."""
+    from pfctl.models.vae import load_vae
 
-        names = SD3_SUBFOLDERS if model_name == "pyramid_mmdit" else FLUX_SUBFOLDERS
-        base = _find_aux(layout, names)
+    if spec is None:
+        base = _find_aux(layout, (VAE_SUBFOLDER,))
         if base is None:
-            raise _aux_missing_error(layout, names, f"text encoder for {model_name}")
-        text = load_text_encoder(base, model_name=model_name, dtype=dtype, device=device)
-        info["text_path"] = str(base)
-        fps["text"] = text.fingerprint()
-        if dit is not None:
-            _check_text_dims(dit, text, base)
-    return Components(dit=dit, vae=vae_obj, text_encoder=text, info=info)
+            raise _aux_missing_error(layout, (VAE_SUBFOLDER,), "causal video VAE")
+        spec = str(base / VAE_SUBFOLDER)
+    vae_obj = load_vae(spec, dtype=dtype, device=device)
+    if model_name == "pyramid_mmdit":
+        vae_obj = _with_sd3_latent_norm(vae_obj)
+    info["vae_path"] = spec
+    info["fingerprints"]["vae"] = vae_obj.fingerprint()
+    return vae_obj
+
+
+def _load_text_part(
+    layout: Any, model_name: str, dtype: torch.dtype, device: str | torch.device, info: dict[str, Any]
+) -> Any:
+    """The text encoders of ``model_name`` found with ``layout``, their path and fingerprint in ``info``."""
+    from pfctl.models.text_encoder import FLUX_SUBFOLDERS, SD3_SUBFOLDERS, load_text_encoder
+
+    names = SD3_SUBFOLDERS if model_name == "pyramid_mmdit" else FLUX_SUBFOLDERS
+    base = _find_aux(layout, names)
+    if base is None:
+        raise _aux_missing_error(layout, names, f"text encoder for {model_name}")
+    text = load_text_encoder(base, model_name=model_name, dtype=dtype, device=device)
+    info["text_path"] = str(base)
+    info["fingerprints"]["text"] = text.fingerprint()
+    return text
 
 
 def _with_sd3_latent_norm(vae_obj: Any) -> Any:

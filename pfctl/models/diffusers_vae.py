@@ -21,31 +21,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pfctl.errors import ConfigError, InputError, ModelLoadError
-
-try:  # the shared Posterior type lives with the VideoVAE protocol (another module of pfctl)
-    from pfctl.models.vae import Posterior  # type: ignore[attr-defined]
-except Exception:  # pragma: no cover - only while pfctl.models.vae is not there yet
-
-    @dataclass
-    class Posterior:  # type: ignore[no-redef]
-        """A diagonal Gaussian over latents (mean, std)."""
-
-        mean: torch.Tensor
-        std: torch.Tensor
-
-        def sample(self, generator: torch.Generator | None = None) -> torch.Tensor:
-            noise = torch.randn(
-                self.mean.shape, generator=generator, device=self.mean.device, dtype=self.mean.dtype
-            )
-            return self.mean + self.std * noise
-
+from pfctl.models.posterior import Posterior
 
 DIFFUSERS_CLASSES = (
     "AutoencoderKLCogVideoX",

@@ -2,7 +2,8 @@
 
 Checkpoint-compatible with the reference class of the same name (config fields and state-dict keys are the
 same, ``diffusion_pytorch_model.safetensors`` of the released ``diffusion_transformer_*`` folders loads with
-``strict=True``). The forward contract is described in :mod:`pfctl.models.dit_common`.
+``strict=True``). The layers are in :mod:`pfctl.models.dit_layers`, the attention layout in
+:mod:`pfctl.models.attention_layout`; :mod:`pfctl.models.fast` applies the speed paths to a built model.
 
 Where pfctl deliberately differs from the reference (all documented, none affects the default numerics):
 
@@ -11,8 +12,9 @@ Where pfctl deliberately differs from the reference (all documented, none affect
 * ``use_temporal_causal=False`` really removes the causal part of the mask (text padding stays masked).
 * ``interp_condition_pos=False`` really uses integer (y, x) positions ``0..n-1`` for every clip; the
   reference ignored the flag and always interpolated lower-resolution history clips onto the current grid.
-* Gradient checkpointing covers blocks with execution index ``< floor(L * ratio)``, ``L`` = double + single
-  blocks counted from the input side (the reference used ``index <= int(len * ratio)`` per block list).
+* Gradient checkpointing (applied by :mod:`pfctl.models.fast`) covers blocks with execution index
+  ``< floor(L * ratio)``, ``L`` = double + single blocks counted from the input side (the reference used
+  ``index <= int(len * ratio)`` per block list).
 * Patchify is a fixed 2x2 reshape as in the reference: ``in_channels`` = 4 x latent channels and the config
   ``patch_size`` must stay 1 (it only sizes ``proj_out``).
 """
@@ -29,33 +31,31 @@ from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
 from pfctl.errors import ConfigError, InputError
-from pfctl.models import fused_linear
-from pfctl.models.dit_common import (
-    AdaLNContinuous,
-    AdaLNZero,
-    BlockCheckpointing,
-    DualStreamBlock,
+from pfctl.models.attention_layout import (
+    PyramidAttention,
     PyramidLayout,
-    RMSNorm,
-    TimestepTextEmbedding,
     attention_dtype,
     by_column,
-    check_forward_inputs,
-    check_ratio,
     clip_frame_ids,
     column_tails,
+    tail_table,
+)
+from pfctl.models.dit_layers import (
+    AdaLNContinuous,
+    AdaLNZero,
+    AttentionOps,
+    ColumnModulation,
+    DualStreamBlock,
+    RMSNorm,
+    TimestepTextEmbedding,
+    check_forward_inputs,
+    check_ratio,
     final_layer,
-    gated_residual,
     init_reference_weights,
     layer_norm,
-    modulate_columns,
-    norm_rope,
     note_flash_flag,
-    rope_tables,
-    rotary_table,
-    tail_table,
-    with_text_identity,
 )
+from pfctl.models.rope import rope_tables, rotary_table, with_text_identity
 
 PATCH = 2  # the Flux DiT patchifies by a fixed 2x2 reshape (config patch_size only sizes proj_out)
 QK_EPS = 1e-6
@@ -79,7 +79,7 @@ class FluxTransformerBlock(DualStreamBlock):
         )
 
 
-class FluxSingleAttention(nn.Module):
+class FluxSingleAttention(AttentionOps, nn.Module):
     """Self-attention of the single-stream blocks (no output projection: ``proj_out`` of the block does it)."""
 
     def __init__(self, dim: int, heads: int, head_dim: int) -> None:
@@ -103,11 +103,11 @@ class FluxSingleAttention(nn.Module):
             queries = x
         else:
             q_lengths, q_rope = layout.tail_lengths, tail_table(q_rope, lengths, layout.tail_lengths)
-        q = norm_rope(self.to_q(queries).unflatten(-1, (self.heads, self.head_dim)), self.norm_q, q_rope)
-        k = norm_rope(self.to_k(x).unflatten(-1, (self.heads, self.head_dim)), self.norm_k, layout.joint_rope)
+        q = self.norm_rope(self.to_q(queries).unflatten(-1, (self.heads, self.head_dim)), self.norm_q, q_rope)
+        k = self.norm_rope(self.to_k(x).unflatten(-1, (self.heads, self.head_dim)), self.norm_k, layout.joint_rope)
         v = self.to_v(x).unflatten(-1, (self.heads, self.head_dim))  # [Bc, T, H, hd]
         outs = [
-            layout.attend(column, qc, kc, vc)
+            self.attend(layout, column, qc, kc, vc)
             for column, (qc, kc, vc) in enumerate(
                 zip(q.split(q_lengths, 1), k.split(lengths, 1), v.split(lengths, 1), strict=True)
             )
@@ -115,7 +115,7 @@ class FluxSingleAttention(nn.Module):
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
-class FluxSingleTransformerBlock(nn.Module):
+class FluxSingleTransformerBlock(ColumnModulation, nn.Module):
     """Single-stream block on ``[text_k; image_k]`` per column: parallel attention + MLP, one AdaLN-Zero."""
 
     def __init__(self, dim: int, num_attention_heads: int, attention_head_dim: int, mlp_ratio: float = 4.0):
@@ -126,6 +126,14 @@ class FluxSingleTransformerBlock(nn.Module):
         self.proj_out = nn.Linear(dim + self.mlp_hidden_dim, dim)
         self.attn = FluxSingleAttention(dim, num_attention_heads, attention_head_dim)
 
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """``gelu(proj_mlp(x))`` (tanh approximation)."""
+        return F.gelu(self.proj_mlp(x), approximate="tanh")
+
+    def project_out(self, attn: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
+        """``proj_out([attn; mlp])``."""
+        return self.proj_out(torch.cat([attn, mlp], dim=-1))
+
     def forward(
         self, hidden_states: torch.Tensor, temb: torch.Tensor, layout: PyramidLayout, last: bool = False
     ) -> torch.Tensor:
@@ -133,22 +141,22 @@ class FluxSingleTransformerBlock(nn.Module):
         rows of each column's last clip are computed and returned, ``[Bc, sum(m_k), D]`` (:func:`column_tails`)."""
         lengths = layout.joint_lengths
         shift, scale, gate = (by_column(m, layout.num_columns) for m in self.norm(temb))  # each [Bc, K, D]
-        norm_x = modulate_columns(layer_norm(hidden_states), lengths, shift, scale)
+        norm_x = self.modulate_columns(layer_norm(hidden_states), lengths, shift, scale)
         residual, rows, queries = hidden_states, norm_x, None
         if last:
             residual, queries = (
                 column_tails(t, lengths, layout.tail_lengths) for t in (hidden_states, norm_x)
             )
             rows, lengths = queries, layout.tail_lengths
-        mlp = fused_linear.linear_gelu(self.proj_mlp, rows)  # [Bc, T, 4D]
+        mlp = self.mlp(rows)  # [Bc, T, 4D]
         attn = self.attn(norm_x, layout, queries)  # [Bc, T, D]
-        out = gated_residual(residual, fused_linear.concat_linear(self.proj_out, [attn, mlp]), lengths, gate)
+        out = self.gated_residual(residual, self.project_out(attn, mlp), lengths, gate)
         if out.dtype == torch.float16:
             out = out.clip(-65504, 65504)
         return out
 
 
-class PyramidFluxTransformer(BlockCheckpointing, ModelMixin, ConfigMixin):
+class PyramidFluxTransformer(PyramidAttention, ModelMixin, ConfigMixin):
     """miniFLUX DiT of Pyramid Flow (reference config fields; see the module docstring for the differences).
 
     ``forward(sample, encoder_hidden_states, encoder_attention_mask, pooled_projections, timestep_ratio)``:
@@ -162,7 +170,6 @@ class PyramidFluxTransformer(BlockCheckpointing, ModelMixin, ConfigMixin):
     Returns a list of K tensors ``[Bc, in_channels/4, t, h, w]``: the prediction for the last clip of each column.
     """
 
-    _supports_gradient_checkpointing = True
     _no_split_modules: ClassVar[list[str]] = ["FluxTransformerBlock", "FluxSingleTransformerBlock"]
 
     @register_to_config
@@ -218,8 +225,6 @@ class PyramidFluxTransformer(BlockCheckpointing, ModelMixin, ConfigMixin):
         self.norm_out = AdaLNContinuous(dim)
         self.proj_out = nn.Linear(dim, patch_size * patch_size * in_channels)
 
-        self.gradient_checkpointing = use_gradient_checkpointing
-        self.gradient_checkpointing_ratio = gradient_checkpointing_ratio
         note_flash_flag(type(self).__name__, use_flash_attn)
         self.initialize_weights()
 
@@ -228,7 +233,8 @@ class PyramidFluxTransformer(BlockCheckpointing, ModelMixin, ConfigMixin):
         init_reference_weights(self, extra_zero=[b.norm.linear for b in self.single_transformer_blocks])
 
     def blocks_in_order(self) -> list[tuple[str, nn.Module]]:
-        """All transformer blocks in execution order (the order gradient checkpointing counts in)."""
+        """All transformer blocks in execution order (the order gradient checkpointing counts in,
+        :func:`pfctl.models.fast.apply_fast_paths`)."""
         double = [(f"transformer_blocks.{i}", b) for i, b in enumerate(self.transformer_blocks)]
         single = [(f"single_transformer_blocks.{i}", b) for i, b in enumerate(self.single_transformer_blocks)]
         return double + single
@@ -283,20 +289,15 @@ class PyramidFluxTransformer(BlockCheckpointing, ModelMixin, ConfigMixin):
         cos, sin = rope_tables(positions, self.config.axes_dims_rope)  # 2 x [N, hd/2]
         text_len = encoder_attention_mask.shape[1]
         frame_ids = [clip_frame_ids(col, device) for col in grids]
-        attn_masks, row_groups = self.attention_masks(
-            encoder_attention_mask != 0, grids, frame_ids, text_lengths, attn_dtype
-        )
-        return PyramidLayout(
-            len(grids),
+        return self.pyramid_layout(
+            grids,
+            encoder_attention_mask != 0,
+            frame_ids,
             batch,
-            text_len,
-            image_lengths,
-            [t * h * w for t, h, w in (col[-1] for col in grids)],
-            attn_masks,
-            self.attention_backend,
+            attn_dtype,
+            text_lengths,
             rope=rotary_table(cos, sin),
             joint_rope=rotary_table(*with_text_identity(cos, sin, image_lengths, text_len)),
-            row_groups=row_groups,
         )
 
     def forward(
@@ -331,10 +332,9 @@ class PyramidFluxTransformer(BlockCheckpointing, ModelMixin, ConfigMixin):
 
         grids = [[(c.shape[2], c.shape[3] // PATCH, c.shape[4] // PATCH) for c in col] for col in columns]
         layout = self.build_layout(grids, encoder_attention_mask, batch, attention_dtype(image), text_lengths)
-        limit = self._checkpoint_limit()
 
-        for i, block in enumerate(self.transformer_blocks):
-            image, text = self._run_block(i, limit, block, image, text, temb, layout)
+        for block in self.transformer_blocks:
+            image, text = block(image, text, temb, layout)
 
         # single-stream layout: [text_0; image_0; text_1; image_1; ...] -> [Bc, sum(L + n_k), D]
         # (unbind/split rather than indexing/slicing: backward reassembles with one stack/cat, no zero-fills)
@@ -345,9 +345,9 @@ class PyramidFluxTransformer(BlockCheckpointing, ModelMixin, ConfigMixin):
             parts += [text_col, img]
         hidden = torch.cat(parts, dim=1)
 
-        offset, last = len(self.transformer_blocks), len(self.single_transformer_blocks) - 1
+        last = len(self.single_transformer_blocks) - 1
         for i, block in enumerate(self.single_transformer_blocks):
-            hidden = self._run_block(offset + i, limit, block, hidden, temb, layout, i == last)
+            hidden = block(hidden, temb, layout, i == last)
         if last < 0:  # no single-stream block: the last clips' rows of the joint layout
             hidden = column_tails(hidden, layout.joint_lengths, layout.tail_lengths)
 

@@ -2,7 +2,7 @@
 
 Checkpoint-compatible with the reference class of the same name (config fields and state-dict keys, including
 the persistent sin-cos buffer ``pos_embed.pos_embed``). Same forward contract as the Flux DiT
-(:mod:`pfctl.models.dit_common`). Positions:
+(:mod:`pfctl.models.dit_layers`). Positions:
 
 * spatial: additive 2-D sin-cos table (``pos_embed_max_size`` squared, SD3 layout) cropped around its centre to
   the current clip's token grid; with ``interp_condition_pos`` smaller history clips get that crop bilinearly
@@ -17,7 +17,7 @@ Differences from the reference (documented; default numerics unchanged):
 * ``use_temporal_causal`` works whatever the temporal position type (the reference crashed unless RoPE was on).
 * ``use_t5_mask=False`` really treats every text token as real (the reference always masked padding); the
   reference pipeline always passed ``True`` -- see :data:`REFERENCE_LOAD_OVERRIDES`.
-* Gradient checkpointing covers blocks with index ``< floor(L * ratio)`` from the input side (the reference
+* Gradient checkpointing (:mod:`pfctl.models.fast`) covers blocks with index ``< floor(L * ratio)`` from the input side (the reference
   checkpointed the *last* blocks, ``index >= int(L * ratio)``), the same rule as the Flux DiT.
 * Defaults that could not run in the reference (``pos_embed_type="rope"``, ``caption_projection_dim=1152`` with
   24 x 64 heads) are replaced by working ones (``"sincos"``, 1536); released configs set both explicitly.
@@ -35,23 +35,24 @@ from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
 from pfctl.errors import ConfigError, InputError
-from pfctl.models.dit_common import (
-    AdaLNContinuous,
-    BlockCheckpointing,
-    DualStreamBlock,
+from pfctl.models.attention_layout import (
+    PyramidAttention,
     PyramidLayout,
-    TimestepTextEmbedding,
     attention_dtype,
-    check_forward_inputs,
-    check_ratio,
     clip_frame_ids,
     column_tails,
+)
+from pfctl.models.dit_layers import (
+    AdaLNContinuous,
+    DualStreamBlock,
+    TimestepTextEmbedding,
+    check_forward_inputs,
+    check_ratio,
     final_layer,
     init_reference_weights,
     note_flash_flag,
-    rope_tables,
-    rotary_table,
 )
+from pfctl.models.rope import rope_tables, rotary_table
 
 QK_EPS = 1e-5
 
@@ -176,13 +177,12 @@ class JointTransformerBlock(DualStreamBlock):
         )
 
 
-class PyramidDiffusionMMDiT(BlockCheckpointing, ModelMixin, ConfigMixin):
+class PyramidDiffusionMMDiT(PyramidAttention, ModelMixin, ConfigMixin):
     """SD3-style DiT of Pyramid Flow. Forward contract as :class:`pfctl.models.dit_flux.PyramidFluxTransformer`:
     ``forward(sample, encoder_hidden_states, encoder_attention_mask, pooled_projections, timestep_ratio)`` with
     clips ``[Bc, in_channels, t, h, w]`` (h, w divisible by ``patch_size``); returns the last clip's prediction
     per column."""
 
-    _supports_gradient_checkpointing = True
     _no_split_modules: ClassVar[list[str]] = ["JointTransformerBlock"]
 
     @register_to_config
@@ -260,8 +260,6 @@ class PyramidDiffusionMMDiT(BlockCheckpointing, ModelMixin, ConfigMixin):
         self.norm_out = AdaLNContinuous(dim)
         self.proj_out = nn.Linear(dim, patch_size * patch_size * in_channels)
 
-        self.gradient_checkpointing = use_gradient_checkpointing
-        self.gradient_checkpointing_ratio = gradient_checkpointing_ratio
         note_flash_flag(type(self).__name__, use_flash_attn)
         self.initialize_weights()
 
@@ -297,29 +295,15 @@ class PyramidDiffusionMMDiT(BlockCheckpointing, ModelMixin, ConfigMixin):
     ) -> PyramidLayout:
         """Token counts, temporal RoPE table and attention masks (in ``attn_dtype``, the dtype of q) of one call
         (built once per forward)."""
-        device = encoder_attention_mask.device
-        frame_ids = [clip_frame_ids(col, device) for col in grids]
+        frame_ids = [clip_frame_ids(col, encoder_attention_mask.device) for col in grids]
         text_valid = encoder_attention_mask != 0
         if not self.config.use_t5_mask:
             text_valid = torch.ones_like(text_valid)
-        text_len = encoder_attention_mask.shape[1]
-        image_lengths = [sum(t * h * w for t, h, w in col) for col in grids]
-        attn_masks, row_groups = self.attention_masks(text_valid, grids, frame_ids, text_lengths, attn_dtype)
         rope = None
         if self.temporal_rope:
             frames = torch.cat(frame_ids).float()[:, None]  # [N, 1]
             rope = rotary_table(*rope_tables(frames, [self.config.attention_head_dim]))
-        return PyramidLayout(
-            len(grids),
-            batch,
-            text_len,
-            image_lengths,
-            [t * h * w for t, h, w in (col[-1] for col in grids)],
-            attn_masks,
-            self.attention_backend,
-            rope=rope,
-            row_groups=row_groups,
-        )
+        return self.pyramid_layout(grids, text_valid, frame_ids, batch, attn_dtype, text_lengths, rope=rope)
 
     def forward(
         self,
@@ -347,9 +331,8 @@ class PyramidDiffusionMMDiT(BlockCheckpointing, ModelMixin, ConfigMixin):
 
         grids = [[(c.shape[2], c.shape[3] // p, c.shape[4] // p) for c in col] for col in columns]
         layout = self.build_layout(grids, encoder_attention_mask, batch, attention_dtype(image), text_lengths)
-        limit = self._checkpoint_limit()
-        for i, block in enumerate(self.transformer_blocks):
-            image, text = self._run_block(i, limit, block, image, text, temb, layout)
+        for block in self.transformer_blocks:
+            image, text = block(image, text, temb, layout)
 
         # K x [Bc, C, t, h*p, w*p]: the last clip of each column
         image = column_tails(image, layout.image_lengths, layout.tail_lengths)

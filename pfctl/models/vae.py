@@ -23,8 +23,10 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from pfctl.config.fast import FastPathsConfig
 from pfctl.errors import ConfigError, InputError, ModelLoadError, PfctlError
 from pfctl.models.causal_vae import CausalVideoVAE
+from pfctl.models.posterior import Posterior
 from pfctl.utils.io import fingerprint as _fingerprint
 from pfctl.utils.io import tensor_fingerprint
 
@@ -41,6 +43,7 @@ __all__ = [
     "load_causal_vae_folder",
     "load_vae",
     "normalize_latents",
+    "with_fast_paths",
 ]
 
 Chunking = Literal["none", "framewise", "exact"]
@@ -109,20 +112,6 @@ def denormalize_latents(z: Tensor, norm: LatentNorm) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 # interface
 # ---------------------------------------------------------------------------------------------
-@dataclass
-class Posterior:
-    """Diagonal Gaussian over latents, (B, C, t, h, w) each."""
-
-    mean: Tensor
-    std: Tensor
-
-    def sample(self, generator: torch.Generator | None = None) -> Tensor:
-        """``mean + std * eps``; eps drawn on the generator's device then moved (diffusers' convention)."""
-        device = generator.device if generator is not None else self.mean.device
-        eps = torch.randn(self.mean.shape, generator=generator, device=device, dtype=self.mean.dtype)
-        return self.mean + self.std * eps.to(self.mean.device)
-
-
 @runtime_checkable
 class VideoVAE(Protocol):
     """What every command may rely on, whatever the VAE family."""
@@ -198,7 +187,7 @@ class PyramidCausalVAE:
         self.spatial_factor = int(module.spatial_factor)
         self.temporal_factor = int(module.temporal_factor)
         #: on CUDA, encode and decode channels-last (cuDNN's layout for 3-D convs, see
-        #: ``use_channels_last``): measured 1.2x faster on an H200 for both
+        #: ``use_channels_last``): faster for both (benchmarks/RESULTS.md)
         self.channels_last = True
 
     # -- sizes ---------------------------------------------------------------------------------
@@ -217,6 +206,18 @@ class PyramidCausalVAE:
             if weight.is_contiguous(memory_format=torch.channels_last_3d) != self.channels_last:
                 self.module.use_channels_last(self.channels_last)
         return param.device, param.dtype
+
+    def _run(self, fn: Any, x: Tensor, chunking: str, window: int, tile: int | None, **extra: Any) -> Any:
+        """``fn`` (the module's encode or decode) on ``x`` moved to the module, without gradients."""
+        device, dtype = self._placement()
+        with torch.no_grad():
+            return fn(
+                x.to(device=device, dtype=dtype),
+                temporal_chunk=chunking != "none",
+                window_size=window,
+                tile_sample_min_size=tile,
+                **extra,
+            )
 
     def _check_chunking(self, chunking: str, allowed: tuple[str, ...]) -> None:
         if chunking not in allowed:
@@ -257,14 +258,7 @@ class PyramidCausalVAE:
                 f"chunk_frames={chunk_frames!r} is not a positive multiple of {self.temporal_factor}",
                 hint="use e.g. 8, 16 or 32 pixel frames per chunk (default 16)",
             )
-        device, dtype = self._placement()
-        with torch.no_grad():
-            posterior = self.module.encode(
-                video.to(device=device, dtype=dtype),
-                temporal_chunk=chunking != "none",
-                window_size=window,
-                tile_sample_min_size=tile,
-            )
+        posterior = self._run(self.module.encode, video, chunking, window, tile)
         return Posterior(mean=posterior.mean.float(), std=posterior.std.float())
 
     def decode(
@@ -290,15 +284,7 @@ class PyramidCausalVAE:
                 f"chunk_frames={chunk_frames!r} is not a positive number of latent frames",
                 hint="use 1 or 2 latent frames per chunk",
             )
-        device, dtype = self._placement()
-        with torch.no_grad():
-            video = self.module.decode(
-                latents.to(device=device, dtype=dtype),
-                temporal_chunk=chunking != "none",
-                window_size=window,
-                tile_sample_min_size=tile,
-                output_dtype=torch.float32,
-            )
+        video = self._run(self.module.decode, latents, chunking, window, tile, output_dtype=torch.float32)
         return video.contiguous()
 
     # -- normalisation / identity --------------------------------------------------------------
@@ -509,3 +495,14 @@ def load_vae(
         f"{path / 'config.json'}: _class_name {class_name!r} is not a supported VAE",
         hint="expected CausalVideoVAE or a diffusers autoencoder class (e.g. AutoencoderKLCogVideoX)",
     )
+
+
+def with_fast_paths(vae: VideoVAE, fast: FastPathsConfig) -> VideoVAE:
+    """``vae`` with the ``fast:`` paths that concern it applied (:func:`pfctl.models.fast.apply_fast_paths`:
+    the causal VAE's fused norms); the fast package is imported only when one is on."""
+    module = getattr(vae, "module", None)
+    if fast.fused_vae_norm and isinstance(module, CausalVideoVAE):
+        from pfctl.models.fast import FastPaths, apply_fast_paths
+
+        apply_fast_paths(module, FastPaths(kernels=fast))
+    return vae

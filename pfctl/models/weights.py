@@ -18,6 +18,7 @@ a folder holding exactly one weight file (or one index) of any name is accepted.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -319,3 +320,38 @@ def convert_folder_to_safetensors(
         for path in [*pickles, *sorted(folder.glob("*.bin.index.json"))]:
             path.unlink()
     return written
+
+
+_DIGEST_EDGE = 1 << 20
+
+
+def file_digest(path: str | os.PathLike[str]) -> str:
+    """A cheap content digest: full sha256 up to 2 MiB, else size + first and last MiB.
+
+    Hashing a 9 GB T5 on every load would take longer than loading it; name + size + both ends
+    catches re-downloads, truncation and swapped files, which is what fingerprints are for.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as fh:
+        if size <= 2 * _DIGEST_EDGE:
+            digest.update(fh.read())
+        else:
+            digest.update(fh.read(_DIGEST_EDGE))
+            fh.seek(size - _DIGEST_EDGE)
+            digest.update(fh.read(_DIGEST_EDGE))
+    return digest.hexdigest()[:16]
+
+
+def folder_digest(folder: str | os.PathLike[str]) -> str:
+    """:func:`file_digest` of every (non-hidden) file under ``folder``, by relative path."""
+    from pfctl.utils.io import fingerprint
+
+    folder = Path(folder)
+    entries = {}
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder)
+        if p.is_file() and not any(part.startswith(".") for part in rel.parts):
+            entries[rel.as_posix()] = file_digest(p)
+    return fingerprint(entries)

@@ -5,8 +5,8 @@
 1. :func:`_check_inputs`: every input that can be checked cheaply (prompts, images, output folder),
    *before* loading a model, so bad input fails in a second and leaves nothing behind;
 2. :func:`_load_model`: DiT + VAE + text encoders (:mod:`pfctl.sampling.loading`), LoRA adapters, and the
-   output size the model was trained for; :func:`_compile_and_graphs` sets up the compiled blocks and the
-   CUDA graphs;
+   output size the model was trained for; :func:`_fast_paths` applies the speed layer (``fast:``, compiled
+   blocks) and sets up the CUDA graphs;
 3. :func:`_encode_prompts`: every prompt once (with the reference's aesthetic suffix; the negative
    prompt for CFG);
 4. :func:`_sample`: per video, the noise from a seeded CPU generator (the same video on any device),
@@ -354,22 +354,30 @@ def _model_record(config: Any, info: dict[str, Any], dit: Any, adapters: list[An
     }  # fmt: skip
 
 
-def _compile_and_graphs(dit: Any, gen: GenerateConfig, device: torch.device, *, keep_graphs: bool) -> Any:
-    """Step 2b, the DiT's fast paths: compiled blocks, and (``keep_graphs``: several videos on one device
-    that holds the DiT throughout) the CUDA graphs every video replays. Returns those graphs or None."""
-    if gen.compile:
-        if device.type == "cuda":
-            # automatic dynamic shapes: the token counts become dynamic once they change, the head sizes stay
-            # static (with every size dynamic, the graphs around row-grouped attention ran generic kernels)
-            dit.compile_blocks(dynamic=None)
-        else:
-            pflog.log("generate.compile is ignored on the CPU")
+def _fast_paths(m: _Model, device: torch.device, *, keep_graphs: bool) -> Any:
+    """Step 2b, the speed layer on the loaded DiT and VAE (the ``fast:`` section and ``generate.compile``,
+    through :func:`pfctl.models.fast.apply_fast_paths`), and (``keep_graphs``: several videos on one
+    device that holds the DiT throughout) the CUDA graphs every video replays. Returns those graphs or None."""
+    gen, fast = m.config.generate, m.config.fast
+    compiled = gen.compile and device.type == "cuda"
+    if gen.compile and not compiled:
+        pflog.log("generate.compile is ignored on the CPU")
+    if fast.any_on or compiled:
+        from pfctl.models.fast import FastPaths, apply_fast_paths
+        from pfctl.models.vae import with_fast_paths
+
+        # automatic dynamic shapes: the token counts become dynamic once they change, the head sizes stay
+        # static (with every size dynamic, the graphs around row-grouped attention ran generic kernels)
+        applied = apply_fast_paths(m.dit, FastPaths(fast, compile=compiled, dynamic=None))
+        with_fast_paths(m.vae, fast)
+        if applied:
+            pflog.log("fast paths: " + ", ".join(applied))
     if not (gen.cuda_graphs and device.type == "cuda" and keep_graphs):
         return None
-    from pfctl.sampling.cuda_graph import StageGraph
+    from pfctl.models.fast.cuda_graph import StageGraph
 
     # videos of one size repeat every stage's shapes: keep the graphs, later videos only replay them
-    return StageGraph(dit, keep=True)
+    return StageGraph(m.dit, keep=True)
 
 
 def _encode_prompts(
@@ -389,15 +397,8 @@ def _encode_prompts(
         for job in jobs:
             used = _prompt_used(job.spec.prompt, gen.prompt_suffix)
             text = TextConditioning.from_pair(embed(used), embed(job.negative_prompt))
-            conditioning[id(job)] = (used, _cond_to(text, offload.device) if offload.enabled else text)
+            conditioning[id(job)] = (used, text.to(offload.device) if offload.enabled else text)
     return conditioning
-
-
-def _cond_to(text: TextConditioning, device: torch.device) -> TextConditioning:
-    moved = {
-        k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in dataclasses.asdict(text).items()
-    }
-    return TextConditioning(**moved)
 
 
 @dataclass
@@ -550,7 +551,7 @@ def run_generate(
     }
     with Offload(device, offload, dit=m.dit, vae=m.vae.module, text=m.text_encoder) as parts:
         m.dit.set_attention_backend(gen.attention, gen.skip_future_keys, gen.row_group_min_tokens)
-        graphs = _compile_and_graphs(m.dit, gen, device, keep_graphs=not offload and len(jobs) > 1)
+        graphs = _fast_paths(m, device, keep_graphs=not offload and len(jobs) > 1)
         conditioning = _encode_prompts(jobs, m.text_encoder, gen, parts)
         run = _Run(m, gen, device, parts, graphs, output_dir, runtime_info, keep_latents)
         if device.type == "cuda":

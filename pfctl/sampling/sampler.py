@@ -21,11 +21,12 @@ import torch
 from pfctl.errors import ConfigError, InputError
 from pfctl.flow.pyramid import history_clips, pyramid_latents, pyramid_noise, upsample_nearest2
 from pfctl.flow.scheduler import PyramidFlowScheduler
-from pfctl.models.dit_common import right_padded_lengths
-from pfctl.sampling.cuda_graph import StageGraph
+from pfctl.models.attention_layout import right_padded_lengths
+from pfctl.models.text_embeddings import TextEmbeddings
 
 if TYPE_CHECKING:
     from pfctl.config.generate import GenerateConfig
+    from pfctl.models.fast.cuda_graph import StageGraph
 
 __all__ = ["SamplingSettings", "TextConditioning", "generate_latents", "guidance_schedule"]
 
@@ -79,52 +80,38 @@ class SamplingSettings:
 
 @dataclass
 class TextConditioning:
-    """Positive prompt features and (for CFG) the negative ones, each ``[B, L, D]`` / ``[B, L]`` /
-    ``[B, Dp]``. A negative of batch 1 is broadcast to B."""
+    """The prompt's text features and, for classifier-free guidance, the negative prompt's
+    (:class:`~pfctl.models.text_embeddings.TextEmbeddings`). A negative of batch 1 is broadcast to B."""
 
-    prompt_embeds: torch.Tensor
-    prompt_attention_mask: torch.Tensor
-    pooled_prompt_embeds: torch.Tensor
-    negative_prompt_embeds: torch.Tensor | None = None
-    negative_prompt_attention_mask: torch.Tensor | None = None
-    negative_pooled_prompt_embeds: torch.Tensor | None = None
+    positive: TextEmbeddings
+    negative: TextEmbeddings | None = None
 
     @classmethod
-    def from_pair(cls, positive: Any, negative: Any | None = None) -> TextConditioning:
-        """From two objects with ``prompt_embeds``, ``prompt_attention_mask`` and
-        ``pooled_prompt_embeds`` attributes (e.g. :class:`pfctl.models.text_encoder.TextEmbeddings`)."""
-        return cls(
-            positive.prompt_embeds,
-            positive.prompt_attention_mask,
-            positive.pooled_prompt_embeds,
-            None if negative is None else negative.prompt_embeds,
-            None if negative is None else negative.prompt_attention_mask,
-            None if negative is None else negative.pooled_prompt_embeds,
-        )
+    def from_pair(cls, positive: TextEmbeddings, negative: TextEmbeddings | None = None) -> TextConditioning:
+        return cls(positive, negative)
 
     @property
     def batch_size(self) -> int:
-        return int(self.prompt_embeds.shape[0])
+        return self.positive.batch_size
+
+    def to(self, device: torch.device | str) -> TextConditioning:
+        negative = None if self.negative is None else self.negative.to(device)
+        return TextConditioning(self.positive.to(device), negative)
 
     def model_inputs(self, cfg: bool, device, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(embeds, mask, pooled)`` for the DiT; with CFG the batch is ``[negative, positive]``."""
-        pos = (self.prompt_embeds, self.prompt_attention_mask, self.pooled_prompt_embeds)
+        text = self.positive
         if cfg:
-            neg = (
-                self.negative_prompt_embeds,
-                self.negative_prompt_attention_mask,
-                self.negative_pooled_prompt_embeds,
-            )
-            if any(t is None for t in neg):
+            if self.negative is None:
                 raise InputError(
                     "classifier-free guidance needs negative prompt features",
                     hint="encode the negative prompt (or the empty prompt), or set guidance_scale to 0",
                 )
-            b = self.batch_size
-            neg = tuple(t.expand(b, *t.shape[1:]) if t.shape[0] == 1 and b > 1 else t for t in neg)
-            pos = tuple(torch.cat([n, p], dim=0) for n, p in zip(neg, pos, strict=True))
-        embeds, mask, pooled = pos
-        return embeds.to(device=device, dtype=dtype), mask.to(device), pooled.to(device=device, dtype=dtype)
+            b, negative = self.batch_size, self.negative
+            text = TextEmbeddings.cat([negative.expand(b) if len(negative) == 1 and b > 1 else negative, text])
+        text = text.to(device)
+        embeds, mask, pooled = text.prompt_embeds, text.prompt_attention_mask, text.pooled_prompt_embeds
+        return embeds.to(dtype=dtype), mask, pooled.to(dtype=dtype)
 
 
 def guidance_schedule(
@@ -370,7 +357,7 @@ def generate_latents(
     Args:
         dit: a Pyramid DiT (``forward(sample, encoder_hidden_states, encoder_attention_mask,
             pooled_projections, timestep_ratio) -> list[Tensor]``), already on ``device``.
-        text: prompt features; ``negative_*`` required when ``settings.guidance_scale > 0``.
+        text: prompt features; ``text.negative`` required when ``settings.guidance_scale > 0``.
         settings: steps, guidance, numerics (:class:`SamplingSettings`).
         temp, height, width: latent frames and latent spatial size (pixels / 8); height and width
             must be divisible by ``2 ** (stages - 1)``.
@@ -381,7 +368,7 @@ def generate_latents(
             ``scheduler.block_noise(shape, generator)``.
         image_latent: ``[B, C, 1, height, width]`` normalised latent of a conditioning image (i2v):
             it becomes unit 0 and units 1..temp-1 are generated.
-        graphs: with ``settings.cuda_graphs``, a ``StageGraph(dit, keep=True)`` the caller holds across
+        graphs: with ``settings.cuda_graphs``, a :class:`pfctl.models.fast.cuda_graph.StageGraph` (``keep=True``) the caller holds across
             calls: each stage replays the graph an earlier video of the same size captured (the caller
             releases it). Without it, each stage captures its own graph and releases it.
         on_dit_call: receives a dict (unit, stage, step, sample, timestep, output, guided, sigma,
@@ -392,8 +379,10 @@ def generate_latents(
     plan = _plan(settings, scheduler.num_stages, temp, height, width, i2v)
     fpu = int(settings.frame_per_unit)
     if device is None:
-        device = text.prompt_embeds.device
+        device = text.positive.device
     cuda_graphs = settings.cuda_graphs and torch.device(device).type == "cuda"
+    if cuda_graphs:  # the speed layer is imported only when it is used
+        from pfctl.models.fast.cuda_graph import StageGraph
     shape = (text.batch_size, latent_channels, int(temp), int(height), int(width))
 
     low_noise = _low_noise(initial_noise, shape, generator, device, dtype, plan.num_stages)

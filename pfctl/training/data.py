@@ -24,7 +24,7 @@ from pfctl.data.dataset import (
     stored_latent,
 )
 from pfctl.errors import CacheError, ConfigError
-from pfctl.models.dit_common import right_padded_lengths
+from pfctl.models.attention_layout import right_padded_lengths
 
 #: The cached text conditioning: key and the number of dimensions of one clip's tensor.
 TEXT_KEYS = (("prompt_embeds", 2), ("prompt_attention_mask", 1), ("pooled_prompt_embeds", 1))

@@ -23,6 +23,7 @@ def sample_validation(
     time, so samples of successive steps are comparable. Under FSDP every rank takes part (``dit`` is
     then the sharded module); otherwise only the main process samples (the others return None).
     """
+    from pfctl.models.text_embeddings import TextEmbeddings
     from pfctl.sampling.sampler import SamplingSettings, TextConditioning, generate_latents
     from pfctl.utils.io import atomic_save_safetensors
 
@@ -38,8 +39,8 @@ def sample_validation(
         latents = generate_latents(
             dit,
             TextConditioning(
-                text["prompt_embeds"].float(), text["prompt_attention_mask"].long(), text["pooled_prompt_embeds"].float(),
-                null["prompt_embeds"].float(), null["prompt_attention_mask"].long(), null["pooled_prompt_embeds"].float(),
+                TextEmbeddings.from_dict(text).to(dtype=torch.float32),
+                TextEmbeddings.from_dict(null).to(dtype=torch.float32),
             ),
             SamplingSettings(num_inference_steps=10, video_num_inference_steps=10),
             temp=cfg.validation_units, height=int(first["height"]), width=int(first["width"]),

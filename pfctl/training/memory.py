@@ -158,7 +158,7 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """The estimate for ``model`` (real or on the meta device; without adapters injected) training on
     ``workload``. ``lora_targets``: full names of the adapted Linears (None = full fine-tuning)."""
-    from pfctl.models.dit_common import num_checkpointed
+    from pfctl.models.dit_layers import num_checkpointed
 
     a = 2 if compute_dtype in ("bf16", "fp16") else FP32
     lora = lora_targets is not None

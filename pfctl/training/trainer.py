@@ -400,10 +400,10 @@ class Trainer:
         return model
 
     def apply_speed(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The speed layer, in torchtitan's order: activation checkpointing (a constructor option of the
-        DiT, :func:`pfctl.training.build.dit_overrides`) → compile (:func:`compile_blocks`) → sharding
-        (accelerate's ``prepare`` with the FSDP plugin the runtime was built with; DDP otherwise)."""
-        compile_blocks(model, self.cfg, self.runtime.device)
+        """The speed layer, in torchtitan's order: kernels → activation checkpointing → compile
+        (:func:`apply_fast_paths`) → sharding (accelerate's ``prepare`` with the FSDP plugin the runtime was
+        built with; DDP otherwise)."""
+        apply_fast_paths(model, self.config, self.runtime.device)
         return self.runtime.accelerator.prepare(model)
 
     def setup_optimizer(self) -> None:
@@ -600,15 +600,25 @@ class Trainer:
             self.runtime.accelerator.end_training()
 
 
-def compile_blocks(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> None:
-    """``train.compile`` (+ ``train.cuda_graphs``): compile the DiT's blocks, on CUDA only. Applied after
-    LoRA, so the compiled graphs include the adapters."""
-    if not cfg.compile:
-        return
-    if device.type != "cuda":
+def apply_fast_paths(model: torch.nn.Module, config: Any, device: torch.device) -> None:
+    """The model's part of the speed layer (:func:`pfctl.models.fast.apply_fast_paths`): the ``fast:``
+    kernels, activation checkpointing (``train.gradient_checkpointing``), then compiled blocks
+    (``train.compile`` + ``train.cuda_graphs``, CUDA only). Applied after LoRA, so the compiled graphs
+    include the adapters."""
+    cfg = config.train
+    compiled = cfg.compile and device.type == "cuda"
+    if cfg.compile and not compiled:
         pflog.log("train.compile is ignored on the CPU")
+    if not (config.fast.any_on or cfg.gradient_checkpointing or compiled):
         return
-    model.compile_blocks(independent_sizes=True, cuda_graphs=cfg.cuda_graphs)  # column sizes vary per step
+    from pfctl.models import fast
+
+    ratio = cfg.gradient_checkpointing_ratio if cfg.gradient_checkpointing else 0.0
+    # column sizes change independently every step
+    paths = fast.FastPaths(config.fast, ratio, compiled, independent_sizes=True, cuda_graphs=cfg.cuda_graphs)
+    applied = fast.apply_fast_paths(model, paths)
+    if applied:
+        pflog.log("fast paths: " + ", ".join(applied))
 
 
 def run_training(config: Any) -> TrainReport:

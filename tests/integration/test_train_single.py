@@ -279,7 +279,7 @@ def test_skip_future_keys_trains_like_one_call_attention(
 ) -> None:
     """``train.skip_future_keys``: the trainer hands the DiT each batch's text lengths (read before the copy
     to the device), so single-frame row groups attend with no mask; the losses are the one-call ones."""
-    import pfctl.models.dit_common as dc
+    import pfctl.models.attention_layout as dc
 
     monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", 4)  # several groups on the tiny preset's columns
     monkeypatch.setattr(dc, "ROW_GROUP_MIN_TOKENS", 0)  # grouped however short the columns

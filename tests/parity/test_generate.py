@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from helpers.parity import dit_sums, reference_flux_dit, reference_kwargs, rel_error
 from helpers.tolerance import assert_rounding_close, rounding_rtol
+from pfctl.models.text_embeddings import TextEmbeddings
 from pfctl.sampling.sampler import SamplingSettings, TextConditioning, generate_latents
 
 pytestmark = pytest.mark.parity
@@ -81,14 +82,8 @@ def _as_steps(steps: int | list[int]) -> int | tuple[int, ...]:
 
 
 def _text(tensors: dict) -> TextConditioning:
-    return TextConditioning(
-        tensors["prompt_embeds"],
-        tensors["prompt_attention_mask"],
-        tensors["pooled_prompt_embeds"],
-        tensors["negative_prompt_embeds"],
-        tensors["negative_prompt_attention_mask"],
-        tensors["negative_pooled_prompt_embeds"],
-    )
+    negative = {k: tensors[f"negative_{k}"] for k in TextEmbeddings.KEYS}
+    return TextConditioning(TextEmbeddings.from_dict(tensors), TextEmbeddings.from_dict(negative))
 
 
 class ReplayDiT:

@@ -220,8 +220,8 @@ def test_frame_cache_holds_only_the_context_frames(vae: CausalVideoVAE) -> None:
 
 _FUSED_CHECK = """
 import torch, torch.nn.functional as F
-from pfctl.models.causal_vae import fused
 from pfctl.models.causal_vae.conv import FrameGroupNorm
+from pfctl.models.fast import vae_norm as fused
 torch.manual_seed(0)
 worst = 0.0
 for c, g, t, h, w, affine in [(64, 32, 3, 5, 7, True), (96, 32, 2, 9, 4, False), (48, 16, 1, 33, 17, True)]:
@@ -260,15 +260,17 @@ print(worst)
 
 _FUSED_MODEL_CHECK = """
 import torch, torch.nn.functional as F
-from pfctl.models.causal_vae import fused
+import pfctl.models.fast as fast
 from pfctl.models.causal_vae.conv import is_channels_last
+from pfctl.models.fast import vae_norm as fused
 from pfctl.models.vae import build_tiny_causal_vae
+fast._vae_kernels_work = lambda: None  # the interpreter runs them on the CPU
 conv3d = F.conv3d
 def keep_layout(x, *args, **kwargs):  # cuDNN keeps channels-last; the CPU's convs do not
     y = conv3d(x, *args, **kwargs)
     return y.contiguous(memory_format=torch.channels_last_3d) if is_channels_last(x) else y
 F.conv3d = keep_layout
-fused.applies = lambda x: fused.ENABLED and x.ndim == 5 and is_channels_last(x) and not torch.is_grad_enabled()
+fused.applies = lambda x: x.ndim == 5 and is_channels_last(x) and not torch.is_grad_enabled()
 calls = {"folded": 0, "bias": 0, "residual": 0}
 norm_act, add_bias = fused.group_norm_act, fused.add_bias
 def counted_norm(*args):
@@ -283,12 +285,11 @@ for p in model.parameters():
     if p.ndim == 1:
         torch.nn.init.normal_(p, 0.0, 0.1)  # non-zero biases: a lost or doubled bias shows
 video = torch.rand(1, 3, 17, 16, 24, generator=torch.Generator().manual_seed(0)) * 2 - 1
-with torch.no_grad():
-    fused.ENABLED = False  # the PyTorch path, default layout
+with torch.no_grad():  # the plain model, default layout
     mean = model.encode(video, temporal_chunk=True, window_size=8).mean
     pixels = model.decode(mean, temporal_chunk=True, window_size=1)
     assert not any(calls.values())
-    fused.ENABLED = True
+    assert fast.apply_fast_paths(model, fast.FastPaths()) == ["fused VAE norms"]
     model.use_channels_last()
     mean_cl = model.encode(video, temporal_chunk=True, window_size=8).mean
     pixels_cl = model.decode(mean, temporal_chunk=True, window_size=1)
@@ -323,53 +324,57 @@ def test_fused_kernels_in_a_channels_last_model_in_the_triton_interpreter() -> N
     assert _in_triton_interpreter(_FUSED_MODEL_CHECK, timeout=300) < 1e-4
 
 
-def test_fused_norm_failure_falls_back_to_pytorch_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A Triton that cannot compile for the GPU must not stop a decode: warn, switch the kernels off,
-    and compute with PyTorch ops (same result as the unfused path)."""
-    from pfctl.models.causal_vae import fused
-    from pfctl.models.causal_vae.conv import FrameGroupNorm
+def test_a_vae_kernel_that_cannot_run_is_left_off_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fallback is decided once, when the fast paths are applied: kernels that do not compile for the
+    GPU leave the VAE's modules as they are, with one warning; nothing switches at run time."""
+    import pfctl.models.fast as fast
+    from pfctl.models.fast.vae_norm import FusedFrameGroupNorm
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("no kernel image for this device")
-
-    monkeypatch.setattr(fused, "ENABLED", True)
-    monkeypatch.setattr(fused, "applies", lambda x: fused.ENABLED)
-    monkeypatch.setattr(fused, "group_norm_act", broken)
-    norm = FrameGroupNorm(4, 8, eps=1e-6)
-    x = torch.randn(1, 8, 3, 4, 5)
-    front = torch.randn(1, 8, 2, 4, 5)
-    with torch.no_grad():
-        out = norm.forward_act(x, torch.nn.SiLU(), front)
-        assert fused.ENABLED is False
-        expected = torch.cat([front, torch.nn.functional.silu(norm(x))], dim=2)
-    assert torch.equal(out, expected)
+    warnings: list[str] = []
+    monkeypatch.setattr(fast, "_vae_kernels_work", lambda: "RuntimeError: no kernel image for this device")
+    monkeypatch.setattr(fast.pflog, "warn", warnings.append)
+    model = build_tiny_causal_vae()
+    assert fast.apply_fast_paths(model, fast.FastPaths()) == []
+    assert len(warnings) == 1 and "fused VAE norms" in warnings[0] and "no kernel image" in warnings[0]
+    assert not any(isinstance(m, FusedFrameGroupNorm) for m in model.modules())
 
 
-def test_failed_kernels_fall_back_everywhere_in_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the convs leave their biases out for the kernels (next norm, residual sum, plain add), a
-    kernel that fails must not lose or double a bias: with every kernel call failing, the channels-last
-    model (CPU convs made to keep the layout, as cuDNN does) gives the PyTorch path's results."""
+def test_fused_modules_fold_every_bias_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the fused modules leave the convs' biases out (folded into the next norm, the residual sum or
+    a plain add), no bias is lost or doubled: with the kernels replaced by the same arithmetic in PyTorch,
+    the channels-last model (CPU convs made to keep the layout, as cuDNN does) gives the plain model's
+    encode and decode."""
     import torch.nn.functional as F
 
-    from pfctl.models.causal_vae import fused
-    from pfctl.models.causal_vae.conv import is_channels_last
+    import pfctl.models.fast as fast
+    from pfctl.models.causal_vae.conv import from_frames, is_channels_last, to_frames
+    from pfctl.models.fast import vae_norm
 
     conv3d = F.conv3d
-    state = {"on": False, "failures": 0}
+    calls = {"norm": 0, "bias": 0}
 
     def keep_layout(x, *args, **kwargs):
         y = conv3d(x, *args, **kwargs)
         return y.contiguous(memory_format=torch.channels_last_3d) if is_channels_last(x) else y
 
-    def broken(*args, **kwargs):
-        state["failures"] += 1
-        raise RuntimeError("no kernel image for this device")
+    def norm_act(x, groups, weight, bias, eps, silu, front=None, x_bias=None):
+        calls["norm"] += 1
+        x = x if x_bias is None else x + x_bias.view(-1, 1, 1, 1)
+        y = from_frames(F.group_norm(to_frames(x.contiguous()), groups, weight, bias, eps), x.shape[2])
+        y = F.silu(y) if silu else y
+        y = y if front is None else torch.cat([front, y], dim=2)
+        return y.contiguous(memory_format=torch.channels_last_3d)
+
+    def add_bias(y, bias, residual=None):
+        calls["bias"] += 1
+        y.add_(bias.view(-1, 1, 1, 1))
+        return y if residual is None else y.add_(residual)
 
     monkeypatch.setattr(F, "conv3d", keep_layout)
-    monkeypatch.setattr(fused, "applies", lambda x: state["on"] and x.ndim == 5 and is_channels_last(x))
-    monkeypatch.setattr(fused, "group_norm_act", broken)
-    monkeypatch.setattr(fused, "add_bias", broken)
-    monkeypatch.setattr(fused, "ENABLED", True)
+    monkeypatch.setattr(fast, "_vae_kernels_work", lambda: None)
+    monkeypatch.setattr(vae_norm, "applies", lambda x: x.ndim == 5 and is_channels_last(x))
+    monkeypatch.setattr(vae_norm, "group_norm_act", norm_act)
+    monkeypatch.setattr(vae_norm, "add_bias", add_bias)
     model = build_tiny_causal_vae()
     with torch.no_grad():
         for p in model.parameters():
@@ -378,11 +383,11 @@ def test_failed_kernels_fall_back_everywhere_in_the_model(monkeypatch: pytest.Mo
         video = torch.rand(1, 3, 9, 16, 16, generator=torch.Generator().manual_seed(0)) * 2 - 1
         mean = model.encode(video, temporal_chunk=True, window_size=8).mean
         pixels = model.decode(mean, temporal_chunk=True, window_size=1)
+        assert fast.apply_fast_paths(model, fast.FastPaths()) == ["fused VAE norms"]
         model.use_channels_last()
-        state["on"] = True
         mean_cl = model.encode(video, temporal_chunk=True, window_size=8).mean
         pixels_cl = model.decode(mean, temporal_chunk=True, window_size=1)
-    assert state["failures"] > 0 and fused.ENABLED is False
+    assert calls["norm"] > 0 and calls["bias"] > 0
     assert_rounding_close(mean_cl, mean, **ENCODE)  # channels-last: other convolution kernels
     assert_rounding_close(pixels_cl, pixels, **ENCODE)
 

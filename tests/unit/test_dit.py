@@ -10,9 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from helpers.tolerance import assert_rounding_close
+from pfctl.config.fast import FastPathsConfig
 from pfctl.errors import ConfigError, InputError
-from pfctl.models.dit_common import clip_frame_ids, num_checkpointed
+from pfctl.models.attention_layout import clip_frame_ids
 from pfctl.models.dit_flux import PyramidFluxTransformer
+from pfctl.models.dit_layers import num_checkpointed
 from pfctl.models.dit_mmdit import PyramidDiffusionMMDiT
 
 LATENT_C = 4
@@ -72,6 +74,17 @@ def build(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
             else:
                 p.copy_(0.05 * torch.randn(p.shape, generator=gen))
     return model.eval()
+
+
+PLAIN = FastPathsConfig(fused_qk_rope=False, fused_products=False, lean_autograd=False, fused_vae_norm=False)
+
+
+def checkpointed(model: torch.nn.Module, ratio: float, kernels: FastPathsConfig = PLAIN) -> torch.nn.Module:
+    """``model`` with activation checkpointing of its first ``floor(L * ratio)`` blocks (the speed layer)."""
+    from pfctl.models.fast import FastPaths, apply_fast_paths
+
+    apply_fast_paths(model, FastPaths(kernels, checkpointing_ratio=ratio))
+    return model
 
 
 def inputs(seed: int = 1, text_len: int = 5) -> dict:
@@ -263,8 +276,9 @@ def test_frame_ids_follow_clip_order() -> None:
     ],
 )
 def test_checkpointed_block_set(kind: str, ratio: float, expected: list[str]) -> None:
-    model = build(kind, gradient_checkpointing_ratio=ratio)
-    assert model.checkpointed_block_names() == expected
+    from pfctl.models.fast import checkpointed_block_names
+
+    assert checkpointed_block_names(build(kind), ratio) == expected
 
 
 def test_num_checkpointed_rule() -> None:
@@ -275,8 +289,10 @@ def test_num_checkpointed_rule() -> None:
 @pytest.mark.parametrize("kind", MODELS)
 def test_gradient_checkpointing_recomputes_exactly_those_blocks_and_matches(kind: str) -> None:
     args = inputs()
-    plain = build(kind, gradient_checkpointing_ratio=0.7).train()
-    ckpt = build(kind, gradient_checkpointing_ratio=0.7, use_gradient_checkpointing=True).train()
+    from pfctl.models.fast import checkpointed_block_names
+
+    plain = build(kind).train()
+    ckpt = checkpointed(build(kind).train(), 0.7)
 
     calls: dict[str, int] = {}
     for name, block in ckpt.blocks_in_order():
@@ -289,7 +305,7 @@ def test_gradient_checkpointing_recomputes_exactly_those_blocks_and_matches(kind
         results.append((outs, {n: p.grad.clone() for n, p in model.named_parameters()}))
 
     recomputed = sorted(n for n, c in calls.items() if c == 2)
-    assert recomputed == sorted(ckpt.checkpointed_block_names()) and recomputed
+    assert recomputed == sorted(checkpointed_block_names(ckpt, 0.7)) and recomputed
     assert all(c in (1, 2) for c in calls.values())
     for a, b in zip(results[0][0], results[1][0], strict=True):
         assert_rounding_close(b, a, **SUMS)  # two models: other addresses
@@ -308,7 +324,7 @@ def test_compiled_blocks_train_like_eager_blocks() -> None:
 
     args, models = inputs(), []
     for _ in range(2):
-        model = build("flux", gradient_checkpointing_ratio=0.5, use_gradient_checkpointing=True).train()
+        model = build("flux").train()
         torch.manual_seed(0)  # the same adapter init in both models
         add_lora(model, rank=2, alpha=2, targets=["attn.to_q", "attn.to_out.0", "ff.net.2"])
         with torch.no_grad():
@@ -317,9 +333,12 @@ def test_compiled_blocks_train_like_eager_blocks() -> None:
                 if "lora_B" in name:  # B starts at 0: make the adapters matter
                     p.copy_(torch.linspace(-0.1, 0.1, p.numel()).view_as(p))
         models.append(model)
+    from pfctl.models.fast import FastPaths, apply_fast_paths
+
     eager, compiled = models
     torch._dynamo.reset()
-    compiled.compile_blocks(backend="aot_eager")
+    apply_fast_paths(eager, FastPaths(checkpointing_ratio=0.5))
+    apply_fast_paths(compiled, FastPaths(checkpointing_ratio=0.5, compile=True, compile_backend="aot_eager"))
     results = []
     for model in (eager, compiled):
         outs = model(**clone_args(args))
@@ -334,26 +353,31 @@ def test_compiled_blocks_train_like_eager_blocks() -> None:
         assert_rounding_close(results[1][1][name], grad, **SUMS, msg=name)
 
 
-def test_diffusers_enable_gradient_checkpointing_uses_the_same_rule() -> None:
-    model = build("flux", gradient_checkpointing_ratio=1.0).train()
-    model.enable_gradient_checkpointing()
-    assert model.is_gradient_checkpointing
-    calls = {}
-    for name, block in model.blocks_in_order():
-        block.register_forward_pre_hook(lambda *_, n=name: calls.__setitem__(n, calls.get(n, 0) + 1))
-    sum(o.sum() for o in model(**inputs())).backward()
-    assert set(calls.values()) == {2}
-    calls.clear()
-    model.eval()
-    run(model, inputs())  # eval / no grad: never checkpointed
-    assert set(calls.values()) == {1}
+def test_checkpointing_applies_only_in_training_with_gradients() -> None:
+    """Checkpointed blocks recompute in the backward of a training forward, never in eval or no-grad calls;
+    the plain model (no speed layer) never recomputes."""
+    for model, recomputes in ((build("flux").train(), False), (checkpointed(build("flux").train(), 1.0), True)):
+        calls: dict[str, int] = {}
+        for name, block in model.blocks_in_order():
+            block.register_forward_pre_hook(lambda *_, n=name, c=calls: c.__setitem__(n, c.get(n, 0) + 1))
+        sum(o.sum() for o in model(**inputs())).backward()
+        assert set(calls.values()) == ({2} if recomputes else {1})
+        calls.clear()
+        model.eval()
+        run(model, inputs())  # eval / no grad: never checkpointed
+        assert set(calls.values()) == {1}
 
 
 def test_fsdp_wrap_classes_exist() -> None:
     for kind, (cls, _) in MODELS.items():
         names = {type(m).__name__ for m in build(kind).modules()}
         assert set(cls._no_split_modules) <= names, kind
-        assert cls._supports_gradient_checkpointing
+        # the speed layer keeps the class names, and blocks of one kind one class (FSDP wraps by class), also
+        # when only some of them are checkpointed
+        fast = checkpointed(build(kind), 0.5, FastPathsConfig())
+        assert {type(m).__name__ for m in fast.modules()} == names, kind
+        for name in cls._no_split_modules:
+            assert len({type(m) for m in fast.modules() if type(m).__name__ == name}) == 1, name
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -419,7 +443,7 @@ def test_attention_backends_set_the_sdpa_kernels_around_every_call(kind: str, mo
 
     results = {}
     for backend in ("auto", "efficient", "cudnn"):
-        model = build(kind, gradient_checkpointing_ratio=1.0, use_gradient_checkpointing=True).train()
+        model = checkpointed(build(kind).train(), 1.0)
         model.set_attention_backend(backend)
         seen.clear()
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
@@ -448,7 +472,7 @@ def test_causal_row_groups_skip_only_masked_keys() -> None:
     mask with text padding; groups tile the sequence and close at frame boundaries after ``min_rows``, a frame
     that large standing alone. A group marked mask-free (``key_starts``, left-aligned text) sees exactly the
     keys from each item's valid text to its end."""
-    from pfctl.models.dit_common import MASKED, build_attention_bias, causal_row_groups
+    from pfctl.models.attention_layout import MASKED, build_attention_bias, causal_row_groups
 
     grids = [(1, 2, 3), (2, 4, 4), (3, 4, 4)]  # history clips, then the current clip: 6 frames
     text_len = 5
@@ -490,15 +514,14 @@ def test_row_group_attention_operator_is_the_masked_attention() -> None:
     """The operator compiled blocks call for row groups without gradients: the groups survive its host
     table, its result is the one-call masked attention's for any grouping (q, k, v strided as the blocks'
     splits leave them), and its schema, shape function and kernel agree (``torch.library.opcheck``)."""
-    from pfctl.models.dit_common import (
+    from pfctl.models.attention_layout import (
         RowGroup,
         build_attention_bias,
         causal_row_groups,
         group_table,
         masked_attention,
-        row_group_attention,
-        table_groups,
     )
+    from pfctl.models.fast.row_groups import row_group_attention, table_groups
 
     grids, text_len = [(1, 2, 3), (2, 4, 4), (3, 4, 4)], 5
     text_valid = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)  # left-aligned
@@ -521,7 +544,7 @@ def test_row_group_attention_operator_is_the_masked_attention() -> None:
 
 
 def test_left_aligned_text_keeps_the_valid_tokens() -> None:
-    from pfctl.models.dit_common import left_align_text, right_padded_lengths
+    from pfctl.models.attention_layout import left_align_text, right_padded_lengths
 
     mask = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0]])
     assert right_padded_lengths(mask) == [2, 3, 0]
@@ -535,7 +558,7 @@ def test_left_aligned_text_keeps_the_valid_tokens() -> None:
 def test_grouped_columns_build_only_the_mask_their_masked_groups_read(monkeypatch) -> None:
     """In row groups the mask is built only up to the end of the last group attended under it (the
     single-frame groups after it attend without one); a column in one masked call gets its whole mask."""
-    import pfctl.models.dit_common as dc
+    import pfctl.models.attention_layout as dc
 
     monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", 16)  # each 16-token frame after the first is a group
     args = long_inputs()
@@ -558,7 +581,7 @@ def test_the_last_block_computes_only_the_rows_the_output_reads(monkeypatch, min
     forward whose last block computes all rows (fp32 rounding), and the attention there has only the last
     clips' rows. With one masked call per column, in masked row groups of two 16-token frames (one spanning
     history and last clip), and in mask-free single-frame groups."""
-    import pfctl.models.dit_common as dc
+    import pfctl.models.attention_layout as dc
     from pfctl.models.dit_flux import FluxSingleTransformerBlock
 
     monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", min_rows or 1)
@@ -600,7 +623,7 @@ def test_skip_future_keys_computes_the_same_attention(kind: str, monkeypatch) ->
     """``skip_future_keys``: row-grouped attention gives the one-call outputs and gradients (float32, to
     float rounding), checkpointed blocks included, and with the text lengths given (text cut to its longest
     row, mask-free single-frame groups) too; models without temporal causality ignore it."""
-    import pfctl.models.dit_common as dc
+    import pfctl.models.attention_layout as dc
 
     monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", 8)  # several groups on these small columns
     monkeypatch.setattr(dc, "ROW_GROUP_MIN_TOKENS", 0)  # grouped however short the columns
@@ -619,7 +642,7 @@ def test_skip_future_keys_computes_the_same_attention(kind: str, monkeypatch) ->
     results = []
     for skip, text_lengths in ((False, None), (True, None), (True, lengths)):
         calls.clear()
-        model = build(kind, gradient_checkpointing_ratio=0.5, use_gradient_checkpointing=True).train()
+        model = checkpointed(build(kind).train(), 0.5)
         model.set_attention_backend("auto", skip_future_keys=skip)
         outs = model(**clone_args(args), text_lengths=text_lengths)
         sum(o.square().mean() for o in outs).backward()
@@ -652,7 +675,7 @@ def test_skip_future_keys_computes_the_same_attention(kind: str, monkeypatch) ->
 def test_skip_future_keys_keeps_the_padding_an_unmasked_mmdit_attends(monkeypatch) -> None:
     """``use_t5_mask=False``: every text token is attended, padding included, so given text lengths must not
     cut it: the mask-free groups start at key 0 and the outputs are the one-call ones."""
-    import pfctl.models.dit_common as dc
+    import pfctl.models.attention_layout as dc
 
     monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", 8)
     monkeypatch.setattr(dc, "ROW_GROUP_MIN_TOKENS", 0)
@@ -699,7 +722,10 @@ def test_compiled_blocks_keep_one_graph_per_block_type_across_training_layouts()
         model = build("flux")
         torch._dynamo.reset()
         counters.clear()
-        model.compile_blocks(backend="eager", independent_sizes=True)  # guards and graphs as with inductor
+        from pfctl.models.fast import FastPaths, apply_fast_paths
+
+        # guards and graphs as with inductor
+        apply_fast_paths(model, FastPaths(compile=True, compile_backend="eager", independent_sizes=True))
         gen = torch.Generator().manual_seed(0)
         for frames in [
             (1, 2),

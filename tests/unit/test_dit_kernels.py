@@ -1,5 +1,6 @@
-"""The DiTs' fused elementwise pieces against the plain formulas they replace: bit-identical outputs and
-gradients (CPU, several dtype mixes), and no more kept for backward than autograd kept."""
+"""The DiTs' elementwise pieces against the reference formulas: the plain layers and the hand-written autograd
+Functions the speed layer swaps in (:mod:`pfctl.models.fast.autograd`) give bit-identical outputs and
+gradients (CPU, several dtype mixes), and the Functions keep no more for backward than autograd kept."""
 
 from __future__ import annotations
 
@@ -12,19 +13,34 @@ import torch
 import torch.nn.functional as F
 
 from helpers.tolerance import assert_rounding_close
-from pfctl.models.dit_common import (
-    MASKED,
-    RMSNorm,
-    apply_rope,
-    build_attention_bias,
-    gated_residual,
-    masked_attention,
-    modulate_columns,
-    rotary_table,
-)
+from pfctl.models.attention_layout import MASKED, build_attention_bias, masked_attention
+from pfctl.models.dit_layers import ColumnModulation, RMSNorm
+from pfctl.models.fast import swap_class
+from pfctl.models.fast.autograd import LeanColumnModulation, LeanRMSNorm, Rotary
+from pfctl.models.rope import apply_rope, rotary_table
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 LENGTHS = [5, 12, 7]  # three columns of a pyramid batch
+PATHS = ["plain", "lean"]  # the model's own layers; the speed layer's autograd Functions
+
+
+class _Lean(LeanColumnModulation, ColumnModulation):
+    pass
+
+
+def columns(path: str) -> ColumnModulation:
+    return ColumnModulation() if path == "plain" else _Lean()
+
+
+def rms_norm(path: str, dim: int) -> RMSNorm:
+    norm = RMSNorm(dim, eps=1e-6)
+    if path == "lean":
+        swap_class(norm, LeanRMSNorm)
+    return norm
+
+
+def rope(path: str, x: torch.Tensor, table) -> torch.Tensor:
+    return apply_rope(x, table) if path == "plain" else Rotary.apply(x, table.a, table.b, table.a_t, table.b_t)
 
 
 def plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -85,8 +101,9 @@ def randn(
 )
 @pytest.mark.parametrize("scale", [0.01, 1.0, 30.0])
 @pytest.mark.parametrize("weight_trains", [True, False])
-def test_rms_norm_matches_the_reference_bit_for_bit(x_dtype, w_dtype, scale, weight_trains) -> None:
-    norm = RMSNorm(64, eps=1e-6)
+@pytest.mark.parametrize("path", PATHS)
+def test_rms_norm_matches_the_reference_bit_for_bit(x_dtype, w_dtype, scale, weight_trains, path) -> None:
+    norm = rms_norm(path, 64)
     weight = (1 + 0.1 * torch.randn(64, generator=torch.Generator().manual_seed(1))).to(w_dtype)
     inputs = [randn(2, 9, 3, 64, dtype=x_dtype, scale=scale), weight.requires_grad_(weight_trains)]
     assert_bitwise(
@@ -96,7 +113,8 @@ def test_rms_norm_matches_the_reference_bit_for_bit(x_dtype, w_dtype, scale, wei
 
 
 @pytest.mark.parametrize("dtype", [FP32, BF16, FP16])
-def test_rope_matches_the_reference_bit_for_bit(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_rope_matches_the_reference_bit_for_bit(dtype: torch.dtype, path: str) -> None:
     seq = 11
     angles = torch.rand(seq, 16, generator=torch.Generator().manual_seed(2)) * 50
     angles[:3] = 0  # identity rows, as the text tokens of the single-stream layout
@@ -104,7 +122,7 @@ def test_rope_matches_the_reference_bit_for_bit(dtype: torch.dtype) -> None:
     table = rotary_table(cos, sin)
     inputs = [randn(2, seq, 3, 32, dtype=dtype)]
     assert_bitwise(
-        outputs_and_grads(lambda x: apply_rope(x, table), inputs),
+        outputs_and_grads(lambda x: rope(path, x, table), inputs),
         outputs_and_grads(lambda x: plain_rope(x, cos, sin), inputs),
     )
 
@@ -112,7 +130,8 @@ def test_rope_matches_the_reference_bit_for_bit(dtype: torch.dtype) -> None:
 # autocast training: fp32 layer-norm output, bf16 modulation; bf16 generation; fp32 parity
 @pytest.mark.parametrize(("x_dtype", "mod_dtype"), [(FP32, BF16), (BF16, BF16), (FP32, FP32)])
 @pytest.mark.parametrize("lengths", [LENGTHS, [17]])
-def test_modulate_columns_matches_per_column_formula(x_dtype, mod_dtype, lengths) -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_modulate_columns_matches_per_column_formula(x_dtype, mod_dtype, lengths, path) -> None:
     k = len(lengths)
     inputs = [
         randn(2, sum(lengths), 16, dtype=x_dtype, seed=0),
@@ -120,7 +139,7 @@ def test_modulate_columns_matches_per_column_formula(x_dtype, mod_dtype, lengths
         randn(2, k, 16, dtype=mod_dtype, scale=0.3, seed=2),
     ]
     assert_bitwise(
-        outputs_and_grads(lambda x, b, s: modulate_columns(x, lengths, b, s), inputs),
+        outputs_and_grads(lambda x, b, s: columns(path).modulate_columns(x, lengths, b, s), inputs),
         outputs_and_grads(lambda x, b, s: plain_modulate(x, lengths, b, s), inputs),
     )
 
@@ -128,14 +147,15 @@ def test_modulate_columns_matches_per_column_formula(x_dtype, mod_dtype, lengths
 # bf16 residual stream (Flux under autocast), fp32 residual with a bf16 branch (MMDiT), all fp32
 @pytest.mark.parametrize(("res_dtype", "x_dtype"), [(BF16, BF16), (FP32, BF16), (FP32, FP32)])
 @pytest.mark.parametrize("lengths", [LENGTHS, [17]])
-def test_gated_residual_matches_per_column_formula(res_dtype, x_dtype, lengths) -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_gated_residual_matches_per_column_formula(res_dtype, x_dtype, lengths, path) -> None:
     inputs = [
         randn(2, sum(lengths), 16, dtype=res_dtype, seed=0),
         randn(2, sum(lengths), 16, dtype=x_dtype, seed=1),
         randn(2, len(lengths), 16, dtype=x_dtype, scale=0.3, seed=2),
     ]
     assert_bitwise(
-        outputs_and_grads(lambda r, x, g: gated_residual(r, x, lengths, g), inputs),
+        outputs_and_grads(lambda r, x, g: columns(path).gated_residual(r, x, lengths, g), inputs),
         outputs_and_grads(lambda r, x, g: plain_gated_residual(r, x, lengths, g), inputs),
     )
 
@@ -158,14 +178,14 @@ def test_modulation_keeps_no_more_than_autograd(modulation_trains: bool) -> None
     x = randn(2, sum(LENGTHS), 64, dtype=FP32)
     shift = randn(2, 3, 64, dtype=BF16, grad=modulation_trains, seed=1)
     scale = randn(2, 3, 64, dtype=BF16, grad=modulation_trains, seed=2)
-    assert saved_bytes(lambda: modulate_columns(x, LENGTHS, shift, scale)) <= saved_bytes(
+    assert saved_bytes(lambda: _Lean().modulate_columns(x, LENGTHS, shift, scale)) <= saved_bytes(
         lambda: plain_modulate(x, LENGTHS, shift, scale)
     )
 
 
 def test_rms_norm_keeps_less_than_autograd() -> None:
     x, weight = randn(2, 9, 3, 64, dtype=BF16), torch.ones(64, requires_grad=True)
-    norm = RMSNorm(64, eps=1e-6)
+    norm = rms_norm("lean", 64)
     fused = saved_bytes(lambda: norm(x))
     assert fused < saved_bytes(lambda: plain_rms_norm(x, weight, 1e-6))
     assert fused <= x.nbytes + x[..., :1].float().nbytes + weight.nbytes  # x, rstd and the weight only
@@ -211,7 +231,9 @@ def test_attention_bias_matches_the_boolean_mask_bit_for_bit(dtype, text_len, im
 
 _FUSED_QK_CHECK = """
 import torch
-from pfctl.models.dit_common import RMSNorm, apply_rope, rope_tables, rotary_table
+import pfctl.models.fast.qk_norm_rope  # registers pfctl::rms_norm_rope
+from pfctl.models.dit_layers import RMSNorm
+from pfctl.models.rope import apply_rope, rope_tables, rotary_table
 torch.manual_seed(0)
 worst = 0.0
 for b, s, h, hd in [(2, 37, 3, 64), (1, 5, 2, 16), (3, 11, 30, 64)]:  # rows that do not fill a program too
@@ -248,8 +270,13 @@ def test_fused_qk_norm_rope_kernel_in_the_triton_interpreter() -> None:
 @pytest.mark.parametrize("norm_kind", ["rms", "none"])
 @pytest.mark.parametrize("with_table", [True, False])
 def test_norm_rope_off_cuda_is_the_two_steps(norm_kind: str, with_table: bool) -> None:
-    """Off CUDA (and with gradients) norm_rope is the norm then the rotation, bit for bit."""
-    from pfctl.models.dit_common import norm_rope, rope_tables
+    """Off CUDA (and with gradients) the fused ``norm_rope`` is the norm then the rotation, bit for bit."""
+    from pfctl.models.dit_layers import AttentionOps
+    from pfctl.models.fast.qk_norm_rope import FusedQKRope
+    from pfctl.models.rope import rope_tables
+
+    class Fused(FusedQKRope, AttentionOps):
+        pass
 
     torch.manual_seed(0)
     x = torch.randn(2, 6, 3, 16, dtype=BF16, requires_grad=True)
@@ -257,7 +284,7 @@ def test_norm_rope_off_cuda_is_the_two_steps(norm_kind: str, with_table: bool) -
     table = rotary_table(*rope_tables(torch.arange(18.0).view(6, 3), [4, 6, 6])) if with_table else None
     want = x if norm is None else norm(x)
     want = want if table is None else apply_rope(want, table)
-    got = norm_rope(x, norm, table)
+    got = Fused().norm_rope(x, norm, table)
     assert torch.equal(got, want)
     got.float().sum().backward()  # the gradient flows through the PyTorch path
     assert x.grad is not None
@@ -276,7 +303,7 @@ def test_fused_concat_linear_is_the_product_of_the_concatenation(monkeypatch) ->
     on for CPU float32) agrees with the PyTorch ops to float32 rounding: only the summation order differs.
     (The GELU epilogue is CUDA's own -- the CPU's ``_addmm_activation`` takes the exact GELU -- and is
     checked in test_fast_paths.)"""
-    from pfctl.models import fused_linear
+    from pfctl.models.fast import products as fused_linear
 
     monkeypatch.setattr(fused_linear, "applies", lambda linear, x: True)
     x, act = torch.randn(2, 7, 24), torch.randn(2, 7, 96)
@@ -292,7 +319,7 @@ def test_fused_concat_linear_is_the_product_of_the_concatenation(monkeypatch) ->
 def test_fused_linear_off_cuda_is_the_pytorch_ops() -> None:
     """Off CUDA, and with gradients, the fused products' functions are the PyTorch ops, bit for bit (the
     CUDA side, LoRA layers left alone included, is checked in test_fast_paths)."""
-    from pfctl.models import fused_linear
+    from pfctl.models.fast import products as fused_linear
 
     layer = _linear(16, 64, BF16, 0)
     x = torch.randn(3, 16, dtype=BF16, requires_grad=True)

@@ -1,6 +1,6 @@
-"""The sampler's speed paths: CUDA-graph replay of a stage and compiled DiT blocks.
+"""The speed layer (:mod:`pfctl.models.fast`): module swaps, compiled DiT blocks, CUDA-graph replay of a stage.
 
-Both must compute what the eager model computes. The CUDA tests run only where a GPU is present;
+All must compute what the plain model computes. The CUDA tests run only where a GPU is present;
 on the CPU the sampler ignores ``cuda_graphs`` and compiled blocks are traced with the ``aot_eager``
 backend (the same dynamo capture and dynamic shapes as inductor, without code generation).
 """
@@ -13,7 +13,10 @@ import torch
 
 from helpers.tiny_models import tiny_dit
 from helpers.tolerance import assert_rounding_close
-from pfctl.sampling.cuda_graph import StageGraph, flatten_tensors, signature, unflatten_tensors
+from pfctl.config.fast import FastPathsConfig
+from pfctl.models.fast import FastPaths, apply_fast_paths
+from pfctl.models.fast.cuda_graph import StageGraph, flatten_tensors, signature, unflatten_tensors
+from pfctl.models.text_embeddings import TextEmbeddings
 from pfctl.sampling.sampler import SamplingSettings, TextConditioning, generate_latents
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -35,7 +38,7 @@ def _text(dit: torch.nn.Module, device: str = "cpu", seed: int = 0) -> TextCondi
             torch.randn(1, cfg.pooled_projection_dim, generator=gen).to(device),
         )
 
-    return TextConditioning(*features(4), *features(2))
+    return TextConditioning(TextEmbeddings(*features(4)), TextEmbeddings(*features(2)))
 
 
 def _sample(
@@ -101,7 +104,7 @@ def test_compiled_blocks_trace_once_for_every_token_count():
     compiled.set_attention_backend("cudnn")
     torch._dynamo.reset()
     counters.clear()
-    compiled.compile_blocks(backend="aot_eager")
+    apply_fast_paths(compiled, FastPaths(compile=True, compile_backend="aot_eager"))
     assert_rounding_close(_sample(compiled, "cpu"), _sample(eager, "cpu"), **SAMPLING)
     # 2 block types, 9 stage shapes: nothing recompiled per shape, no graph break
     assert counters["stats"]["unique_graphs"] == 2
@@ -117,7 +120,7 @@ def test_compiled_blocks_with_skip_future_keys_sample_like_eager(monkeypatch):
     positive prompts of different lengths: the single-frame groups attend with no mask, one call per prompt)."""
     from torch._dynamo.utils import counters
 
-    import pfctl.models.dit_common as dc
+    import pfctl.models.attention_layout as dc
 
     monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", 8)  # several groups per call at these sizes
     monkeypatch.setattr(dc, "ROW_GROUP_MIN_TOKENS", 0)  # grouped however short the columns
@@ -132,7 +135,9 @@ def test_compiled_blocks_with_skip_future_keys_sample_like_eager(monkeypatch):
     compiled.set_attention_backend("auto", skip_future_keys=True)
     torch._dynamo.reset()
     counters.clear()
-    compiled.compile_blocks(backend="eager", dynamic=None)  # dynamo's capture and guards, no AOT tracing
+    # dynamo's capture and guards, no AOT tracing
+    apply_fast_paths(compiled, FastPaths(compile=True, compile_backend="eager", dynamic=None))
+    # row groups sum the attention in another order: fp32 rounding, compounded over the sampler's steps
     assert_rounding_close(_sample(compiled, "cpu"), _sample(eager, "cpu"), **SAMPLING)
     assert set(mask_free) == {(2, 0)}  # text cut to 4 tokens; the negative prompt's 2 start at 2
     assert not counters["graph_break"]
@@ -240,7 +245,7 @@ def test_causal_vae_channels_last_on_cuda_equals_default() -> None:
     """On CUDA, cuDNN keeps the channels-last layout end to end (norms, upsamplers, chunk cache), the
     norms run as the fused Triton kernels: encode and decode equal the default layout's (fp32, TF32
     off, so only summation order differs)."""
-    from pfctl.models.causal_vae import fused
+    from pfctl.models.fast import vae_norm as fused
     from pfctl.models.vae import build_tiny_causal_vae
 
     tf32 = torch.backends.cudnn.allow_tf32
@@ -254,6 +259,7 @@ def test_causal_vae_channels_last_on_cuda_equals_default() -> None:
 
     try:
         model = build_tiny_causal_vae().cuda()
+        assert "fused VAE norms" in apply_fast_paths(model, FastPaths())
         with torch.no_grad():  # non-zero biases: a conv bias left out and not folded back in shows
             for p in model.parameters():
                 if p.ndim == 1:
@@ -286,8 +292,11 @@ def test_fused_group_norm_bf16_equals_pytorch_path(silu: bool) -> None:
     import torch.nn.functional as F
 
     from pfctl.models.causal_vae.conv import FrameGroupNorm
+    from pfctl.models.fast import swap_class
+    from pfctl.models.fast.vae_norm import FusedFrameGroupNorm
 
     norm = FrameGroupNorm(32, 256, eps=1e-6).cuda()
+    swap_class(norm, FusedFrameGroupNorm)
     with torch.no_grad():
         norm.weight.normal_()
         norm.bias.normal_()
@@ -307,7 +316,7 @@ def test_fused_group_norm_bf16_equals_pytorch_path(silu: bool) -> None:
 def test_fused_add_bias_bf16_equals_pytorch(residual: bool) -> None:
     """The bias (+ residual) kernel on a bf16 channels-last CUDA tensor whose size is not a multiple of
     its block: the PyTorch sum within one bf16 rounding (it rounds once, PyTorch once per op)."""
-    from pfctl.models.causal_vae import fused
+    from pfctl.models.fast import vae_norm as fused
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     shape = (1, 96, 3, 17, 29)
@@ -332,14 +341,15 @@ def test_attention_settings_on_cuda_agree(monkeypatch) -> None:
     bf16 rounding: a training forward + backward under bf16 autocast with every block checkpointed (the
     recomputation must pick the forward's kernel), padded text, and a video sampled with CUDA graphs
     (relative L2 of the latents)."""
-    import pfctl.models.dit_common as dc
+    import pfctl.models.attention_layout as dc
 
     monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", 64)  # several groups per column at these sizes
     monkeypatch.setattr(dc, "ROW_GROUP_MIN_TOKENS", 0)  # grouped however short the columns
     head_64 = {"attention_head_dim": 64, "axes_dims_rope": [16, 24, 24]}  # miniFLUX's head width
     dit = tiny_dit(overrides=head_64).cuda()
     sampler_dit = tiny_dit(overrides=head_64).cuda().to(torch.bfloat16).eval()
-    dit.gradient_checkpointing, dit.gradient_checkpointing_ratio = True, 1.0
+    apply_fast_paths(dit, FastPaths(checkpointing_ratio=1.0))
+    apply_fast_paths(sampler_dit, FastPaths())
     cfg = dit.config
     gen = torch.Generator().manual_seed(0)
 
@@ -389,13 +399,17 @@ def test_attention_settings_on_cuda_agree(monkeypatch) -> None:
 
 
 @gpu
-def test_fused_qk_kernel_on_cuda_matches_the_pytorch_path(monkeypatch) -> None:
+def test_fused_qk_kernel_on_cuda_matches_the_pytorch_path() -> None:
     """The q/k norm + rotation kernel (``pfctl::rms_norm_rope``) on bf16 gives the PyTorch path's values
     (the same rounding steps; a sum of squares in another order may move one by a step), and a video sampled
     with it inside compiled blocks replayed as CUDA graphs, as ``pfctl generate`` runs it, matches the video
     sampled with the PyTorch ops."""
-    from pfctl.models import fused_qk
-    from pfctl.models.dit_common import RMSNorm, norm_rope, rope_tables, rotary_table
+    from pfctl.models.dit_layers import AttentionOps, RMSNorm
+    from pfctl.models.fast.qk_norm_rope import FusedQKRope, applies
+    from pfctl.models.rope import rope_tables, rotary_table
+
+    class Fused(FusedQKRope, AttentionOps):
+        pass
 
     gen = torch.Generator().manual_seed(0)
     norm = RMSNorm(64, eps=1e-6).cuda().to(torch.bfloat16)
@@ -405,28 +419,26 @@ def test_fused_qk_kernel_on_cuda_matches_the_pytorch_path(monkeypatch) -> None:
     table = rotary_table(*rope_tables(positions.float().cuda(), [16, 24, 24]))
     x = (torch.randn(2, 300, 30, 64, generator=gen) * 3 + 0.5).cuda().to(torch.bfloat16)
     with torch.no_grad():
-        assert fused_qk.applies(x, norm.weight)
-        got = norm_rope(x, norm, table).float()
-        monkeypatch.setattr(fused_qk, "ENABLED", False)
-        want = norm_rope(x, norm, table).float()
+        assert applies(x, norm.weight)
+        got = Fused().norm_rope(x, norm, table).float()
+        want = AttentionOps().norm_rope(x, norm, table).float()
     assert (got == want).float().mean() > 0.99
     assert float(((got - want).abs() / want.abs().clamp_min(1.0)).max()) < 2 * 2**-7  # two bf16 steps
 
-    assert _sampled_with_and_without(monkeypatch, fused_qk) == {False: False, True: True}
+    assert _sampled_with_and_without("fused_qk_rope") == {False: False, True: True}
 
 
-def _sampled_with_and_without(monkeypatch, fused: object, kernel: str = "rms_norm_rope") -> dict[bool, bool]:
-    """Sample a video with the fast path of module ``fused`` on and off (its ``ENABLED``), in compiled blocks
-    replayed as CUDA graphs as ``pfctl generate`` runs them; the two must match as the side-by-side harness
-    compares videos. Returns, for each setting, whether a CUDA kernel named with ``kernel`` ran."""
+def _sampled_with_and_without(path: str, kernel: str = "rms_norm_rope") -> dict[bool, bool]:
+    """Sample a video with the fast path ``path`` (a ``fast:`` key) on and off, in compiled blocks replayed
+    as CUDA graphs as ``pfctl generate`` runs them; the two must match as the side-by-side harness compares
+    videos. Returns, for each setting, whether a CUDA kernel named with ``kernel`` ran."""
     head_64 = {"attention_head_dim": 64, "axes_dims_rope": [16, 24, 24]}
     latents, ran = {}, {}
     for enabled in (False, True):
-        monkeypatch.setattr(fused, "ENABLED", enabled)
         dit = tiny_dit(overrides=head_64).cuda().to(torch.bfloat16).eval()
         dit.set_attention_backend("auto", skip_future_keys=True)
         torch._dynamo.reset()
-        dit.compile_blocks(dynamic=None)
+        apply_fast_paths(dit, FastPaths(FastPathsConfig(**{path: enabled}), compile=True, dynamic=None))
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             latents[enabled] = _sample(dit, "cuda", cuda_graphs=True, dtype=torch.bfloat16).float()
             torch.cuda.synchronize()
@@ -439,13 +451,13 @@ def _sampled_with_and_without(monkeypatch, fused: object, kernel: str = "rms_nor
 
 
 @gpu
-def test_fused_linear_products_on_cuda_match_the_pytorch_ops(monkeypatch) -> None:
+def test_fused_linear_products_on_cuda_match_the_pytorch_ops() -> None:
     """On bf16 CUDA inference the GELU in the product's epilogue and the single blocks' output projection
     summed part by part agree with the PyTorch ops to a bf16 rounding step or two (one rounding fewer in the
     first, one more in the second); LoRA layers keep the PyTorch path; a sampled video matches."""
     import torch.nn.functional as F
 
-    from pfctl.models import fused_linear
+    from pfctl.models.fast import products as fused_linear
     from pfctl.models.lora import add_lora
 
     gen = torch.Generator().manual_seed(0)
@@ -472,7 +484,7 @@ def test_fused_linear_products_on_cuda_match_the_pytorch_ops(monkeypatch) -> Non
         assert not fused_linear.applies(mlp, x.float())
     assert not fused_linear.applies(mlp, x.requires_grad_())
 
-    _sampled_with_and_without(monkeypatch, fused_linear)
+    _sampled_with_and_without("fused_products")
 
 
 @gpu
@@ -513,3 +525,142 @@ def test_causal_vae_encodes_a_channels_last_input_on_cuda(weights_channels_last:
         ref = model.encode(video.contiguous(), temporal_chunk=True, window_size=8).mean
     assert torch.isfinite(mean).all()
     torch.testing.assert_close(mean.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The layer itself: off means not imported; on means the same numbers; a kernel that cannot run is left off
+
+
+_PLAIN_MODELS = """
+import sys
+
+import torch
+
+from pfctl.config.fast import FastPathsConfig
+from pfctl.models.dit_flux import PyramidFluxTransformer
+from pfctl.models.dit_mmdit import PyramidDiffusionMMDiT
+from pfctl.models.vae import PyramidCausalVAE, build_tiny_causal_vae, with_fast_paths
+
+off = FastPathsConfig(fused_qk_rope=False, fused_products=False, lean_autograd=False, fused_vae_norm=False)
+flux = PyramidFluxTransformer(in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=8,
+                              num_attention_heads=2, joint_attention_dim=12, pooled_projection_dim=10,
+                              axes_dims_rope=[2, 2, 4])
+mmdit = PyramidDiffusionMMDiT(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
+                              num_attention_heads=2, caption_projection_dim=16, pooled_projection_dim=10,
+                              pos_embed_max_size=8, joint_attention_dim=12, add_temp_pos_embed=True,
+                              temp_pos_embed_type="rope", use_temporal_causal=True, use_t5_mask=True)
+text = dict(encoder_hidden_states=torch.randn(2, 5, 12), encoder_attention_mask=torch.ones(2, 5),
+            pooled_projections=torch.randn(2, 10), timestep_ratio=torch.tensor([900.0, 100.0]))
+for model, channels in ((flux, 4), (mmdit, 4)):
+    model.set_attention_backend("auto", skip_future_keys=True, min_tokens=0)
+    out = model([[torch.randn(1, channels, 2, 4, 4)], [torch.randn(1, channels, 1, 4, 4)]], **text)
+    sum(o.sum() for o in out).backward()
+vae = with_fast_paths(PyramidCausalVAE(build_tiny_causal_vae()), off)
+vae.decode(vae.encode(torch.rand(1, 3, 9, 32, 32) * 2 - 1).mean)
+print(sorted(m for m in sys.modules if m.startswith("pfctl.models.fast")))
+"""
+
+
+def test_plain_models_never_import_the_fast_package() -> None:
+    """Both DiTs (forward and backward, row groups on) and the causal VAE (encode, decode) with every fast
+    path off: nothing of :mod:`pfctl.models.fast` (Triton kernels, compile, CUDA graphs) is imported."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-c", _PLAIN_MODELS], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def _random_dit(kind: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A tiny DiT with random (non-zero) weights (the reference init zeroes the output layers)."""
+    from pfctl.models.dit_mmdit import PyramidDiffusionMMDiT
+
+    if kind == "flux":
+        model = tiny_dit()
+    else:
+        model = PyramidDiffusionMMDiT(
+            sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
+            num_attention_heads=2, caption_projection_dim=16, pooled_projection_dim=10, pos_embed_max_size=8,
+            joint_attention_dim=12, add_temp_pos_embed=True, temp_pos_embed_type="rope",
+            use_temporal_causal=True, use_t5_mask=True,
+        )  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / (p[0].numel() ** 0.5 if p.dim() > 1 else 10))
+    return model.train().to(dtype)
+
+
+@pytest.mark.parametrize("kind", ["flux", "mmdit"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_paths_on_train_like_the_plain_model(kind: str, dtype: torch.dtype) -> None:
+    """Every fast path on (on the CPU: the hand-written autograd Functions and, for Flux, the single blocks'
+    product hooks; plus checkpointing of every block): a training forward and backward give the plain
+    model's outputs (the same ops: bit for bit) and gradients (the same products and sums, summed in another
+    order: fp32 rounding; bf16: a rounding step), and class names and state-dict keys stay."""
+    results, keys, names = [], [], []
+    for fast in (False, True):
+        model = _random_dit(kind, dtype)
+        cfg = model.config
+        gen = torch.Generator().manual_seed(1)
+        channels = cfg.in_channels // 4 if kind == "flux" else cfg.in_channels
+        mask = torch.ones(4, 6, dtype=torch.long)
+        mask[1, 3:] = mask[2, 5:] = 0
+        sample = [
+            [torch.randn(2, channels, 1, 4, 4, generator=gen), torch.randn(2, channels, 2, 4, 4, generator=gen)],
+            [torch.randn(2, channels, 1, 2, 2, generator=gen), torch.randn(2, channels, 2, 4, 4, generator=gen)],
+        ]
+        args = dict(
+            encoder_hidden_states=torch.randn(4, 6, cfg.joint_attention_dim, generator=gen).to(dtype),
+            encoder_attention_mask=mask,
+            pooled_projections=torch.randn(4, cfg.pooled_projection_dim, generator=gen).to(dtype),
+            timestep_ratio=torch.tensor([900.0, 500.0, 300.0, 10.0]),
+        )
+        if fast:
+            applied = apply_fast_paths(model, FastPaths(checkpointing_ratio=1.0))
+            assert applied[0] == "lean autograd" and applied[-1].startswith("activation checkpointing")
+        outs = model([[c.to(dtype) for c in col] for col in sample], **args)
+        sum(o.float().square().mean() for o in outs).backward()
+        results.append((outs, [p.grad for p in model.parameters()]))
+        keys.append(list(model.state_dict()))
+        names.append([type(m).__name__ for m in model.modules()])
+    assert keys[0] == keys[1] and names[0] == names[1]
+    (plain_outs, plain_grads), (fast_outs, fast_grads) = results
+    for got, want in zip(fast_outs, plain_outs, strict=True):
+        assert torch.equal(got, want)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-7)
+    for got, want in zip(fast_grads, plain_grads, strict=True):
+        torch.testing.assert_close(got, want, **tol)
+
+
+def test_a_kernel_that_cannot_run_is_left_off_with_one_warning(monkeypatch) -> None:
+    """The q/k kernel's fallback is decided once, when the paths are applied: a kernel that does not
+    compile is reported by one warning naming the path, and the model keeps the PyTorch ops."""
+    import pfctl.models.fast as fast
+    from pfctl.models.fast.qk_norm_rope import FusedQKRope
+
+    warnings = []
+    monkeypatch.setattr(fast, "_qk_kernel_works", lambda: "CompilationError: no sm_0 target")
+    monkeypatch.setattr(fast.pflog, "warn", warnings.append)
+    dit = tiny_dit()
+    applied = apply_fast_paths(dit, FastPaths())
+    assert "fused q/k norm + RoPE" not in applied and "lean autograd" in applied
+    assert len(warnings) == 1 and "fused q/k norm + RoPE" in warnings[0] and "sm_0" in warnings[0]
+    assert not any(isinstance(m, FusedQKRope) for m in dit.modules())
+    monkeypatch.setattr(fast, "_qk_kernel_works", lambda: "no CUDA device")  # CPU: silently off
+    warnings.clear()
+    apply_fast_paths(tiny_dit(), FastPaths())
+    assert not warnings
+
+
+def test_print_config_shows_the_fast_paths() -> None:
+    """``--print-config`` lists the ``fast:`` section, and a key set off there is shown off."""
+    from pfctl.config.load import dump_config, load_config
+
+    shown = dump_config(load_config(None, ["fast.fused_qk_rope=false"]))
+    assert "fast:" in shown and "fused_qk_rope: false" in shown and "lean_autograd: true" in shown

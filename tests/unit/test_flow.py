@@ -23,6 +23,7 @@ from pfctl.flow.pyramid import (
     upsample_nearest2,
 )
 from pfctl.flow.scheduler import PyramidFlowScheduler, block_noise
+from pfctl.models.text_embeddings import TextEmbeddings
 from pfctl.models.vae import FLUX_LATENT_NORM, denormalize_latents, normalize_latents
 from pfctl.sampling.sampler import SamplingSettings, TextConditioning, generate_latents, guidance_schedule
 
@@ -194,7 +195,7 @@ def _text(b=1, seed=0):
             torch.randn(b, 6, generator=gen),
         )
 
-    return TextConditioning(*mk(), *mk())
+    return TextConditioning(TextEmbeddings(*mk()), TextEmbeddings(*mk()))
 
 
 STEPS = SamplingSettings(num_inference_steps=(2, 2, 2), video_num_inference_steps=(1, 1, 1))

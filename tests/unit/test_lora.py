@@ -237,6 +237,8 @@ def test_optimizer_state_matches_its_formula(name: str) -> None:
 @pytest.mark.parametrize("lora", [False, True])
 def test_activation_formula_matches_what_autograd_keeps(lora: bool) -> None:
     """fp32 on the CPU: the analytic per-token constants against the saved tensors, counted exactly."""
+    from pfctl.models.fast import FastPaths, apply_fast_paths
+
     model = dit(num_layers=2, num_single_layers=2, num_attention_heads=4)
     targets = resolve_targets(model, DEFAULT_LORA_TARGETS) if lora else None
     frames, size = 4, 16
@@ -246,6 +248,7 @@ def test_activation_formula_matches_what_autograd_keeps(lora: bool) -> None:
     )
     if lora:
         add_lora(model, rank=4, alpha=4, targets=DEFAULT_LORA_TARGETS)
+    apply_fast_paths(model, FastPaths())  # as the trainer runs it: the estimate counts the lean autograd path
     model.train()
     x = inputs(frames, size)
     measured = saved_activation_bytes(lambda: model(**x), model.parameters(), quadratic=TEXT_LEN + tokens)

@@ -15,12 +15,10 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from pfctl.errors import ConfigError
-from pfctl.models.causal_vae import fused
 from pfctl.models.causal_vae.conv import (
     CausalConv3d,
     FrameCache,
     FrameGroupNorm,
-    add_bias,
     from_frames,
     is_channels_last,
     to_frames,
@@ -56,49 +54,40 @@ class ResnetBlock(nn.Module):
         )
 
     def forward(self, x: Tensor, cache: FrameCache | None = None) -> Tensor:
-        # each norm + activation writes its output behind the next conv's context frames (one fused
-        # kernel on CUDA)
+        # each norm + activation writes its output behind the next conv's context frames
         h = self.norm1.forward_act(x, self.nonlinearity, self.conv1.front(cache, x))
+        h = self.conv1(h, cache, padded=True)
         if self.training and self.dropout.p > 0:  # dropout must not see the context frames
-            h = self.conv1(h, cache, padded=True)
             h = self.conv2(self.dropout(self.norm2.forward_act(h, self.nonlinearity)), cache)
-            return (x if self.conv_shortcut is None else self.conv_shortcut(x, cache)) + h
-        # with the fused kernels, the convs leave their biases out: conv1's is folded into norm2's
-        # statistics, conv2's (and the shortcut's) into the residual sum, saving a pass over each output
-        fold = fused.applies(x)
-        h = self.conv1(h, cache, padded=True, bias=not fold)
-        x_bias = self.conv1.conv.bias if fold else None
-        h = self.norm2.forward_act(h, self.nonlinearity, self.conv2.front(cache, h), x_bias=x_bias)
-        h = self.conv2(h, cache, padded=True, bias=not fold)
-        skip = x if self.conv_shortcut is None else self.conv_shortcut(x, cache, bias=not fold)
-        if not fold:
-            return skip + h
-        biases = [
-            c.conv.bias for c in (self.conv2, self.conv_shortcut) if c is not None and c.conv.bias is not None
-        ]
-        return add_bias(h, sum(b.float() for b in biases), residual=skip) if biases else h.add_(skip)
+        else:
+            h = self.norm2.forward_act(h, self.nonlinearity, self.conv2.front(cache, h))
+            h = self.conv2(h, cache, padded=True)
+        return (x if self.conv_shortcut is None else self.conv_shortcut(x, cache)) + h
 
 
-class SpatialDownsample(nn.Module):
+class _Downsample(nn.Module):
+    """A stride-2 causal conv along the axes of ``stride`` (key ``conv.conv``)."""
+
+    stride: tuple[int, int, int]
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = CausalConv3d(channels, channels, 3, stride=self.stride)
+
+    def forward(self, x: Tensor, cache: FrameCache | None = None) -> Tensor:
+        return self.conv(x, cache)
+
+
+class SpatialDownsample(_Downsample):
     """Stride (1, 2, 2) causal conv: halves H and W."""
 
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.conv = CausalConv3d(channels, channels, 3, stride=(1, 2, 2))
-
-    def forward(self, x: Tensor, cache: FrameCache | None = None) -> Tensor:
-        return self.conv(x, cache)
+    stride = (1, 2, 2)
 
 
-class TemporalDownsample(nn.Module):
+class TemporalDownsample(_Downsample):
     """Stride (2, 1, 1) causal conv: T -> (T + 1) // 2 (17 -> 9 -> 5 -> 3)."""
 
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.conv = CausalConv3d(channels, channels, 3, stride=(2, 1, 1))
-
-    def forward(self, x: Tensor, cache: FrameCache | None = None) -> Tensor:
-        return self.conv(x, cache)
+    stride = (2, 1, 1)
 
 
 def _conv_before_rearrange(

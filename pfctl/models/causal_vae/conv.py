@@ -17,13 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pfctl.models.causal_vae import fused
-
 __all__ = [
     "CausalConv3d",
     "FrameCache",
     "FrameGroupNorm",
-    "add_bias",
     "folded_affine",
     "from_frames",
     "is_channels_last",
@@ -64,7 +61,8 @@ def folded_affine(
     """GroupNorm as ``y = x * scale + shift``: from per-group sums of x and x² over ``count`` values
     (``s1``, ``s2``: (..., G), float32) to per-channel float32 ``scale`` and ``shift`` (..., ``channels``)
     that fold in the mean, 1/std and the affine weight and bias (float32 by type promotion, whatever
-    their dtype). Shared by :class:`FrameGroupNorm`'s channels-last path and the fused kernels."""
+    their dtype). Shared by :class:`FrameGroupNorm`'s channels-last path and the fused kernels
+    (:mod:`pfctl.models.fast.vae_norm`)."""
     g = s1.shape[-1]
     cg = channels // g
     mean = s1 * (1.0 / count)
@@ -120,8 +118,6 @@ class FrameGroupNorm(nn.GroupNorm):
     def forward(self, x: Tensor) -> Tensor:
         if x.ndim != 5:
             return super().forward(x)
-        if fused.applies(x) and (y := self._fused(x, silu=False)) is not None:
-            return y
         if is_channels_last(x):
             return self._channels_last(x)
         return from_frames(super().forward(to_frames(x)), x.shape[2])
@@ -130,27 +126,11 @@ class FrameGroupNorm(nn.GroupNorm):
         self, x: Tensor, act: nn.Module, front: Tensor | None = None, x_bias: Tensor | None = None
     ) -> Tensor:
         """``act(self(x + x_bias))``, preceded along time by ``front`` if given (a causal conv's context,
-        see :meth:`CausalConv3d.front`). ``x_bias``: the bias of the conv that produced ``x`` without it.
-        With SiLU on a tensor :func:`fused.applies` to: one fused pass that writes straight behind the
-        context frames (no separate bias, activation or concatenation pass)."""
-        if isinstance(act, nn.SiLU) and x.ndim == 5 and fused.applies(x):
-            y = self._fused(x, silu=True, front=front, x_bias=x_bias)
-            if y is not None:
-                return y
+        see :meth:`CausalConv3d.front`). ``x_bias``: the bias of the conv that produced ``x`` without it."""
         if x_bias is not None:
             x = x + x_bias.view(-1, *([1] * (x.ndim - 2)))
         y = act(self(x))
         return y if front is None else torch.cat([front, y], dim=2)
-
-    def _fused(
-        self, x: Tensor, silu: bool, front: Tensor | None = None, x_bias: Tensor | None = None
-    ) -> Tensor | None:
-        """The Triton kernels' result, or None when they fail (:func:`fused.call`): the caller then
-        uses PyTorch ops."""
-        weight, bias = (self.weight, self.bias) if self.affine else (None, None)
-        return fused.call(
-            fused.group_norm_act, x, self.num_groups, weight, bias, self.eps, silu, front, x_bias
-        )
 
     def _channels_last(self, x: Tensor) -> Tensor:
         """The same norm on a (B, T, H, W, C)-stored tensor, without leaving that layout.
@@ -259,19 +239,8 @@ class CausalConv3d(nn.Module):
         return self._conv(x, bias)
 
     def _conv(self, x: Tensor, bias: bool) -> Tensor:
-        """The convolution; where :func:`fused.applies`, its bias is added by one vectorised kernel
-        instead of PyTorch's broadcast add (the VAE's largest non-convolution cost on CUDA)."""
+        """The convolution, with its bias unless ``bias`` is False."""
         conv = self.conv
-        if conv.bias is None or (bias and not fused.applies(x)):
+        if conv.bias is None or bias:
             return conv(x)
-        y = F.conv3d(x, conv.weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
-        return add_bias(y, conv.bias) if bias else y
-
-
-def add_bias(y: Tensor, bias: Tensor, residual: Tensor | None = None) -> Tensor:
-    """``y + bias`` (per channel, dim 1) ``+ residual``, in place in ``y``: the fused kernel where
-    :func:`fused.applies`, else PyTorch's ops (the same arithmetic as a conv's own bias and a sum)."""
-    if fused.applies(y) and fused.call(fused.add_bias, y, bias, residual) is not None:
-        return y
-    y.add_(bias.view(-1, *([1] * (y.ndim - 2))))
-    return y if residual is None else y.add_(residual)
+        return F.conv3d(x, conv.weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)

@@ -81,6 +81,21 @@ def _as_list(value: Sequence, n: int, name: str) -> list:
     return values
 
 
+def _check_supported(down_types: Sequence[str], up_types: Sequence[str], interpolate: bool) -> None:
+    """The config options this implementation does not build fail here, naming the key."""
+    bad = [t for t in down_types if t != _DOWN_BLOCK] + [t for t in up_types if t != _UP_BLOCK]
+    if bad:
+        raise ConfigError(
+            f"unsupported VAE block type(s) {sorted(set(bad))}",
+            hint=f"CausalVideoVAE builds only {_DOWN_BLOCK} / {_UP_BLOCK}",
+        )
+    if interpolate:
+        raise ConfigError(
+            "CausalVideoVAE config has interpolate=true, which the model does not implement",
+            hint="set interpolate to false (the released checkpoint is loaded with interpolate=False)",
+        )
+
+
 class CausalVideoVAE(ModelMixin, ConfigMixin):
     """Causal 3-D VAE of Pyramid Flow (MAGVIT-v2-like), config- and key-compatible with the reference.
 
@@ -130,18 +145,7 @@ class CausalVideoVAE(ModelMixin, ConfigMixin):
         super().__init__()
         n_enc = len(encoder_block_out_channels)
         n_dec = len(decoder_block_out_channels)
-        bad = [t for t in encoder_down_block_types if t != _DOWN_BLOCK]
-        bad += [t for t in decoder_up_block_types if t != _UP_BLOCK]
-        if bad:
-            raise ConfigError(
-                f"unsupported VAE block type(s) {sorted(set(bad))}",
-                hint=f"CausalVideoVAE builds only {_DOWN_BLOCK} / {_UP_BLOCK}",
-            )
-        if interpolate:
-            raise ConfigError(
-                "CausalVideoVAE config has interpolate=true, which the model does not implement",
-                hint="set interpolate to false (the released checkpoint is loaded with interpolate=False)",
-            )
+        _check_supported(encoder_down_block_types, decoder_up_block_types, interpolate)
         spatial_down = _as_list(encoder_spatial_down_sample, n_enc, "encoder_spatial_down_sample")
         temporal_down = _as_list(encoder_temporal_down_sample, n_enc, "encoder_temporal_down_sample")
         spatial_up = _as_list(decoder_spatial_up_sample, n_dec, "decoder_spatial_up_sample")

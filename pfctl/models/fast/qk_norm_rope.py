@@ -1,46 +1,42 @@
 """The per-head RMS norm of queries and keys and their rotary embedding in one Triton kernel (CUDA, inference).
 
 Both DiTs norm each head of q and k (``RMSNorm`` over the head width) and then rotate its channel pairs
-(:func:`~pfctl.models.dit_common.apply_rope`). Compiled with the blocks, Inductor fuses the two into one kernel
-per block, but one that reads each channel pair with gathers that do not vectorise: in a large 768p sampling
-call on an H200 it moved ~0.4 GB in ~0.42 ms per block (~1 TB/s, a fifth of the card's bandwidth), ~10 ms of
-the call's 208 ms. This kernel reads each row of ``hd`` channels once, contiguously, splits it into its pairs
-in registers and writes the rotated row back contiguously: 0.06 ms per block in the same call, which took
-197.8 ms of GPU time instead of 207.4 (benchmarks/RESULTS.md, session 11).
+(:func:`pfctl.models.rope.apply_rope`). Compiled with the blocks, Inductor fuses the two into one kernel per
+block, but one that reads each channel pair with gathers that do not vectorise. This kernel reads each row of
+``hd`` channels once, contiguously, splits it into its pairs in registers and writes the rotated row back
+contiguously (timings in benchmarks/RESULTS.md, session 11).
 
 The arithmetic is the eager path's, step by step: ``rstd = rsqrt(mean(float(x)^2) + eps)``, ``x * rstd``
 rounded to the weight's dtype, times the weight rounded again, then ``(c*x0 - s*x1, s*x0 + c*x1)`` with each
 product and the sum in float32 (no fused multiply-add, as PyTorch's separate kernels) rounded once to ``x``'s
 dtype. Only the order of the 64-term sum of squares differs, so results agree to within a bf16 rounding step.
 
-Used by :func:`~pfctl.models.dit_common.norm_rope` where :func:`applies` says so (CUDA, half-precision q/k
-and weight, no autograd, Triton importable, not switched off with ``PFCTL_FUSED_QK=0``) and the norm is an RMS
-norm followed by a rotation; everything else, training included, takes the PyTorch path.
+:class:`FusedQKRope` is swapped into the attention modules by :func:`pfctl.models.fast.apply_fast_paths`
+(``fused_qk_rope``, after :func:`kernel_works` said yes once); per call it takes the kernel where
+:func:`applies` (CUDA, half-precision q/k and weight, no autograd) and the norm is an RMS norm followed by a
+rotation; everything else, training included, takes the module's own path.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["ENABLED", "applies", "cuda_half_inference", "rms_norm_rope"]
+from pfctl.models.dit_layers import RMSNorm
+from pfctl.models.rope import RotaryTable, rope_tables, rotary_table
 
-#: switch the kernel off (``PFCTL_FUSED_QK=0``, or set this to False) to run PyTorch's ops instead
-ENABLED = os.environ.get("PFCTL_FUSED_QK", "1") != "0"
-#: a constant to compiled blocks (they never import Triton themselves)
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
+__all__ = ["FusedQKRope", "applies", "cuda_half_inference", "kernel_works", "rms_norm_rope"]
+
 _ROWS_PER_PROGRAM = 32
 
 
 def cuda_half_inference(x: Tensor, weight: Tensor) -> bool:
     """True when ``x`` and ``weight`` are a CUDA inference step in half precision: ``x`` on CUDA in
     ``weight``'s dtype, bf16 or fp16, and no gradient wanted for either. The first check of both fused paths
-    (this module's and :mod:`pfctl.models.fused_linear`'s): training leaves here, before any check on sizes
+    (this module's and :mod:`pfctl.models.fast.products`'): training leaves here, before any check on sizes
     a compiled block would have to guard on."""
     return (
         x.is_cuda
@@ -53,13 +49,11 @@ def cuda_half_inference(x: Tensor, weight: Tensor) -> bool:
 def applies(x: Tensor, weight: Tensor) -> bool:
     """True when :func:`rms_norm_rope` can take ``x [B, S, H, hd]`` with the norm weight ``weight [hd]``:
     contiguous on CUDA, under 2**31 elements, in the weight's half-precision dtype, ``hd`` a power of two, no
-    gradient wanted (the caller, :func:`~pfctl.models.dit_common.norm_rope`, checks that the norm is an RMS
-    norm and that a rotary table is given)."""
+    gradient wanted (the caller, :meth:`FusedQKRope.norm_rope`, checks that the norm is an RMS norm and that
+    a rotary table is given)."""
     hd = x.shape[-1]
     return (
-        ENABLED
-        and _HAS_TRITON
-        and cuda_half_inference(x, weight)
+        cuda_half_inference(x, weight)
         and x.dim() == 4
         and hd >= 2
         and hd & (hd - 1) == 0
@@ -70,7 +64,7 @@ def applies(x: Tensor, weight: Tensor) -> bool:
 
 @torch.library.custom_op("pfctl::rms_norm_rope", mutates_args=())
 def rms_norm_rope(x: Tensor, weight: Tensor, a: Tensor, b: Tensor, eps: float) -> Tensor:
-    """The kernel behind :func:`~pfctl.models.dit_common.norm_rope`: ``x [B, S, H, hd]``, ``weight [hd]``,
+    """The kernel behind :meth:`FusedQKRope.norm_rope`: ``x [B, S, H, hd]``, ``weight [hd]``,
     the forward tables ``a, b`` of a :class:`RotaryTable` (``[S, 1, hd/2, 2]`` float32) -> ``[B, S, H, hd]``
     like ``x``."""
     import triton
@@ -129,3 +123,29 @@ def _kernel() -> Any:
         tl.store(out_ptr + row[:, None] * HD + col, out.to(dtype), mask=keep)
 
     return rms_norm_rope_kernel
+
+
+class FusedQKRope:
+    """Mixin of the attention modules: ``norm_rope`` in one kernel where :func:`applies`."""
+
+    def norm_rope(self, x: Tensor, norm: nn.Module | None, table: RotaryTable | None) -> Tensor:
+        if table is not None and isinstance(norm, RMSNorm) and applies(x, norm.weight):
+            return torch.ops.pfctl.rms_norm_rope(x, norm.weight, table.a, table.b, norm.eps)
+        return super().norm_rope(x, norm, table)
+
+
+def kernel_works() -> str | None:
+    """Compile and run the kernel once on a tiny CUDA input: None when it works, else why not (no CUDA, no
+    Triton, or the error compiling it; decided once, when the fast paths are applied)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        x = torch.randn(1, 2, 2, 8, device="cuda", dtype=torch.bfloat16)
+        table = rotary_table(*rope_tables(torch.zeros(2, 1, device="cuda"), [8]))
+        rms_norm_rope(x, torch.ones(8, device="cuda", dtype=torch.bfloat16), table.a, table.b, 1e-6)
+        torch.cuda.synchronize()
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:  # ImportError (no Triton) or a kernel that does not compile for this GPU
+        return f"{type(exc).__name__}: {exc}"
+    return None

@@ -4,9 +4,7 @@ Both DiTs widen the hidden states fourfold with a linear layer followed by a tan
 double blocks' feed-forward, the single blocks' ``proj_mlp``), and the single blocks project the
 concatenation ``[attention; GELU(mlp)]`` back with ``proj_out``. Compiled with the blocks, Inductor runs the
 GELU as a separate pass over the ``4D``-wide activations and writes it, together with the attention output,
-into a concatenated buffer that ``proj_out`` then reads: in a large 768p sampling call on an H200 those
-passes took ~14 ms of the call's 193.9 ms of GPU time; with the products below the call takes 182.9 ms, and
-a 768p video samples in 32.9 s instead of 35.7 s (benchmarks/RESULTS.md, session 12).
+into a concatenated buffer that ``proj_out`` then reads (timings in benchmarks/RESULTS.md, session 12).
 
 - :func:`linear_gelu` computes ``gelu(linear(x))`` as one cuBLASLt product with the bias and the GELU in its
   epilogue (``torch._addmm_activation``): the GELU is applied to the float32 sum, before the rounding to the
@@ -16,37 +14,29 @@ a 768p video samples in 32.9 s instead of 35.7 s (benchmarks/RESULTS.md, session
   partial sums are rounded to the activations' dtype between the products.
 
 So results agree with the PyTorch ops to within a rounding step of the activations' dtype, not bit for bit.
-Used where :func:`applies` says so (CUDA, half precision, plain ``nn.Linear`` layers with a bias -- a LoRA
-layer is not one --, no autograd, not switched off with ``PFCTL_FUSED_LINEAR=0``); everything else, training
+Swapped in by :func:`pfctl.models.fast.apply_fast_paths` (``fused_products``): :class:`FusedGELUProj` and
+:class:`FusedSingleBlockProducts` take these where :func:`applies` (CUDA, half precision, plain
+``nn.Linear`` layers with a bias -- a LoRA layer is not one --, no autograd); everything else, training
 included, takes the PyTorch ops.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pfctl.models.fused_qk import cuda_half_inference
+from pfctl.models.fast.qk_norm_rope import cuda_half_inference
 
-__all__ = ["ENABLED", "applies", "concat_linear", "linear_gelu"]
-
-#: switch the fused products off (``PFCTL_FUSED_LINEAR=0``, or set this to False) to run PyTorch's ops
-ENABLED = os.environ.get("PFCTL_FUSED_LINEAR", "1") != "0"
+__all__ = ["FusedGELUProj", "FusedSingleBlockProducts", "applies", "concat_linear", "linear_gelu"]
 
 
 def applies(linear: nn.Module, x: Tensor) -> bool:
     """True when ``linear`` applied to ``x`` can take the fused products: a plain ``nn.Linear`` with a bias,
     ``x`` on CUDA in the weight's half-precision dtype, no gradient wanted."""
-    return (
-        ENABLED
-        and type(linear) is nn.Linear
-        and linear.bias is not None
-        and cuda_half_inference(x, linear.weight)
-    )
+    return type(linear) is nn.Linear and linear.bias is not None and cuda_half_inference(x, linear.weight)
 
 
 def linear_gelu(linear: nn.Module, x: Tensor) -> Tensor:
@@ -75,3 +65,20 @@ def concat_linear(linear: nn.Module, parts: Sequence[Tensor]) -> Tensor:
     if out is None or start != linear.in_features:
         raise ValueError(f"parts of widths {[p.shape[-1] for p in parts]} do not make {linear.in_features}")
     return out.view(*parts[0].shape[:-1], out.shape[-1])
+
+
+class FusedGELUProj:
+    """Mixin of ``GELUProj``: the GELU in the product's epilogue."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear_gelu(self.proj, x)
+
+
+class FusedSingleBlockProducts:
+    """Mixin of the Flux single-stream block: its MLP with the GELU epilogue, its output product part by part."""
+
+    def mlp(self, x: Tensor) -> Tensor:
+        return linear_gelu(self.proj_mlp, x)
+
+    def project_out(self, attn: Tensor, mlp: Tensor) -> Tensor:
+        return concat_linear(self.proj_out, [attn, mlp])

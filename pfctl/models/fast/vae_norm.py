@@ -13,9 +13,11 @@ without it (folded into the sums and the shift), and :func:`add_bias` adds a con
 with a residual if given, in one vectorised pass: PyTorch adds a 3-D conv's bias as a broadcast pass
 of its own, which does not vectorise (see ``ResnetBlock`` for where each bias goes).
 
-Used only where :func:`applies` says so (CUDA, channels-last, no autograd, Triton importable, not
-switched off with ``PFCTL_FUSED_NORM=0``); everything else takes the PyTorch path in
-:class:`~pfctl.models.causal_vae.conv.FrameGroupNorm` and the convs' own bias.
+Swapped into the VAE's modules by :func:`pfctl.models.fast.apply_fast_paths` (``fused_vae_norm``, after
+:func:`kernels_work` said yes once): :class:`FusedFrameGroupNorm`, :class:`FusedCausalConv3d` and
+:class:`FusedResnetBlock` take the kernels where :func:`applies` (CUDA, channels-last, no autograd);
+everything else takes the PyTorch path of :class:`~pfctl.models.causal_vae.conv.FrameGroupNorm` and the
+convs' own bias.
 Results equal that path's up to float32 summation order and bf16 rounding: SiLU sees the float32
 value instead of a bf16-rounded one, and a bias and residual are added before one rounding instead of
 one rounding each (more accurate, within bf16 rounding of the unfused result).
@@ -24,16 +26,23 @@ one rounding each (more accurate, within bf16 rounding of the unfused result).
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
-__all__ = ["ENABLED", "add_bias", "applies", "call", "group_norm_act"]
+from pfctl.models.causal_vae.conv import FrameCache, folded_affine, is_channels_last
 
-#: switch the fused kernels off (``PFCTL_FUSED_NORM=0``, or set this to False) to run PyTorch's ops instead
-ENABLED = os.environ.get("PFCTL_FUSED_NORM", "1") != "0"
+__all__ = [
+    "FusedCausalConv3d",
+    "FusedFrameGroupNorm",
+    "FusedResnetBlock",
+    "add_bias",
+    "applies",
+    "group_norm_act",
+    "kernels_work",
+]
 
 _MAX_CHANNELS = 1024
 _TILE = 8192  # elements of x per program of the normalise kernel
@@ -52,17 +61,13 @@ def _triton() -> Any | None:
 
 def applies(x: Tensor) -> bool:
     """True when :func:`group_norm_act` can take ``x``: a CUDA (B, C, T, H, W) float tensor stored
-    channels-last (each frame one dense block), outside autograd, with Triton installed."""
-    from pfctl.models.causal_vae.conv import is_channels_last
-
+    channels-last (each frame one dense block), outside autograd."""
     return (
-        ENABLED
-        and x.is_cuda
+        x.is_cuda
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
         and is_channels_last(x)
         and x.shape[1] <= _MAX_CHANNELS
         and not (torch.is_grad_enabled() and x.requires_grad)
-        and _triton() is not None
     )
 
 
@@ -146,8 +151,6 @@ def group_norm_act(
     ``x_bias`` (C,): normalise ``x + x_bias`` instead, the bias of the convolution that produced ``x``
     and left it out. It is folded into the per-channel sums (Σ(x+b) = Σx + n·b, Σ(x+b)² = Σx² + 2b·Σx
     + n·b²) and the shift, so the biased tensor is never written."""
-    from pfctl.models.causal_vae.conv import folded_affine
-
     triton = _triton()
     channel_sums, normalize, _ = _kernels()
     b, c, t, h, w = x.shape
@@ -187,8 +190,7 @@ def add_bias(y: Tensor, bias: Tensor, residual: Tensor | None = None) -> Tensor:
 
     For a convolution run without its bias (see ``CausalConv3d.forward(bias=False)``): PyTorch adds
     a convolution's bias as a separate broadcast pass that does not vectorise, and a residual sum is
-    one more pass. ``y`` must be a tensor :func:`applies` to and ``residual`` one of the same shape; a
-    failed kernel (see :func:`call`) falls back to PyTorch ops with the same result.
+    one more pass. ``y`` must be a tensor :func:`applies` to and ``residual`` one of the same shape.
     """
     _, _, add_bias_kernel = _kernels()
     b = bias.detach().float().contiguous()
@@ -205,18 +207,83 @@ def add_bias(y: Tensor, bias: Tensor, residual: Tensor | None = None) -> Tensor:
     return y
 
 
-def call(fn: Any, *args: Any, **kwargs: Any) -> Tensor | None:
-    """``fn(*args, **kwargs)`` (one of this module's kernels), or None when it fails, e.g. a Triton
-    that cannot compile for this GPU: the kernels are then switched off with one warning and the
-    caller computes the same thing with PyTorch ops. Out-of-memory errors propagate."""
-    global ENABLED
+def kernels_work() -> str | None:
+    """Compile and run the kernels once on a tiny CUDA input: None when they work, else why not (no CUDA, no
+    Triton, or the error compiling them; decided once, when the fast paths are applied)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if _triton() is None:
+        return "Triton is not installed"
     try:
-        return fn(*args, **kwargs)
+        x = torch.randn(1, 4, 2, 4, 4, device="cuda").contiguous(memory_format=torch.channels_last_3d)
+        y = group_norm_act(x, 2, None, None, 1e-6, silu=True)
+        add_bias(y, torch.zeros(4, device="cuda"), residual=x)
+        torch.cuda.synchronize()
     except torch.OutOfMemoryError:
         raise
-    except Exception as exc:
-        from pfctl.runtime import logging as pflog
+    except Exception as exc:  # a Triton that cannot compile for this GPU
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
-        ENABLED = False
-        pflog.warn(f"fused VAE kernels unavailable ({type(exc).__name__}: {exc}); using PyTorch ops")
-        return None
+
+def _add_bias(y: Tensor, bias: Tensor, residual: Tensor | None = None) -> Tensor:
+    """``y + bias (+ residual)`` in place: the kernel where :func:`applies`, else PyTorch's ops."""
+    if applies(y):
+        return add_bias(y, bias, residual)
+    y.add_(bias.view(-1, *([1] * (y.ndim - 2))))
+    return y if residual is None else y.add_(residual)
+
+
+class FusedFrameGroupNorm:
+    """Mixin of ``FrameGroupNorm``: per-frame statistics and the affine (+ SiLU) in the Triton kernels."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.ndim == 5 and applies(x):
+            return self._fused(x, silu=False)
+        return super().forward(x)
+
+    def forward_act(
+        self, x: Tensor, act: nn.Module, front: Tensor | None = None, x_bias: Tensor | None = None
+    ) -> Tensor:
+        """With SiLU on a tensor :func:`applies` to: one pass that writes straight behind the context frames
+        (no separate bias, activation or concatenation pass)."""
+        if isinstance(act, nn.SiLU) and x.ndim == 5 and applies(x):
+            return self._fused(x, silu=True, front=front, x_bias=x_bias)
+        return super().forward_act(x, act, front, x_bias)
+
+    def _fused(
+        self, x: Tensor, silu: bool, front: Tensor | None = None, x_bias: Tensor | None = None
+    ) -> Tensor:
+        weight, bias = (self.weight, self.bias) if self.affine else (None, None)
+        return group_norm_act(x, self.num_groups, weight, bias, self.eps, silu, front, x_bias)
+
+
+class FusedCausalConv3d:
+    """Mixin of ``CausalConv3d``: the bias added by one vectorised kernel instead of PyTorch's broadcast add
+    (the VAE's largest non-convolution cost on CUDA)."""
+
+    def _conv(self, x: Tensor, bias: bool) -> Tensor:
+        conv = self.conv
+        if conv.bias is None or not bias or not applies(x):
+            return super()._conv(x, bias)
+        y = F.conv3d(x, conv.weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
+        return _add_bias(y, conv.bias)
+
+
+class FusedResnetBlock:
+    """Mixin of ``ResnetBlock``: the convs leave their biases out, conv1's folded into norm2's statistics,
+    conv2's (and the shortcut's) into the residual sum, saving a pass over each output."""
+
+    def forward(self, x: Tensor, cache: FrameCache | None = None) -> Tensor:
+        if (self.training and self.dropout.p > 0) or not applies(x):
+            return super().forward(x, cache)
+        h = self.norm1.forward_act(x, self.nonlinearity, self.conv1.front(cache, x))
+        h = self.conv1(h, cache, padded=True, bias=False)
+        x_bias = self.conv1.conv.bias
+        h = self.norm2.forward_act(h, self.nonlinearity, self.conv2.front(cache, h), x_bias=x_bias)
+        h = self.conv2(h, cache, padded=True, bias=False)
+        skip = x if self.conv_shortcut is None else self.conv_shortcut(x, cache, bias=False)
+        biases = [
+            c.conv.bias for c in (self.conv2, self.conv_shortcut) if c is not None and c.conv.bias is not None
+        ]
+        return _add_bias(h, sum(b.float() for b in biases), residual=skip) if biases else h.add_(skip)

@@ -1,0 +1,48 @@
+"""``torch.compile`` of the DiT blocks, each compiled in place (state-dict keys unchanged)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+__all__ = ["compile_blocks"]
+
+
+def compile_blocks(
+    blocks: list[nn.Module],
+    backend: str = "inductor",
+    *,
+    dynamic: bool | None = True,
+    independent_sizes: bool = False,
+    cuda_graphs: bool = False,
+) -> None:
+    """``torch.compile`` every block in place, with dynamic shapes: one compiled graph per block type serves
+    every token count (the pyramid changes it every call). Fuses the elementwise work around the matmuls
+    (norms, RoPE, modulation).
+
+    ``dynamic``: ``True`` makes every size of a block's inputs dynamic from the first trace; ``None``
+    (automatic, what generate uses) traces static sizes first and makes dynamic only those that change, so
+    head counts and widths stay constants. That matters wherever a block has a graph break (row groups with
+    gradients): the frames around it take all their sizes from their inputs, and with every size dynamic
+    Inductor generated generic, much slower kernels (benchmarks/RESULTS.md).
+
+    ``independent_sizes`` (training): sizes that happen to be equal when a block is traced are not assumed
+    to stay equal (PyTorch's "duck shaping" off, for the whole process), so columns whose token counts
+    change independently every step do not recompile the blocks (fewer graphs, slower tracing; counts in
+    benchmarks/RESULTS.md).
+
+    ``cuda_graphs`` (training): each compiled block forward and backward is also recorded as a CUDA graph
+    per token count and replayed (``mode="reduce-overhead"``), so a step costs the host a few launches per
+    block instead of hundreds. The caller marks each forward as a new step
+    (``torch.compiler.cudagraph_mark_step_begin``): what the last one left may then be overwritten."""
+    import torch._inductor.config as inductor_config
+
+    # inductor's coalescing analysis (a tiling heuristic: speed, not results) asserted on dynamic-shape
+    # kernels of these blocks with torch 2.11 on CUDA; the benchmarked generate runs have it off
+    inductor_config.triton.coalesce_tiling_analysis = False
+    if independent_sizes:
+        import torch.fx.experimental._config as shape_config
+
+        shape_config.use_duck_shape = False
+    mode = "reduce-overhead" if cuda_graphs else None
+    for block in blocks:
+        block.compile(dynamic=dynamic, backend=backend, mode=mode)
