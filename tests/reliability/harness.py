@@ -966,7 +966,7 @@ def cli_cases(work: Path) -> list[tuple[str, list[str], int, str]]:
         ("not JSON", enc(ann("broken.jsonl", '{"video": "v.mp4", "text": \n')), 2, "not valid JSON"),
         ("JSON array row", enc(ann("array.jsonl", '["v.mp4", "x"]\n')), 2, "expected a JSON object"),
         ("empty annotation file", enc(ann("empty.jsonl", "")), 2, "no rows"),
-        ("binary annotation file", enc(_binary(root / "bin.jsonl")), 2, "cannot read"),
+        ("binary annotation file", enc(_binary(root / "bin.jsonl")), 2, "not valid UTF-8"),
         ("unknown annotation type", enc(ann("a.yaml", "x: 1\n")), 2, "unknown type"),
         ("annotation file missing", enc(str(root / "nope.jsonl")), 2, "does not exist"),
         ("lone surrogate in caption", enc(ann("surrogate.jsonl", '{"video": "v.mp4", "text": "bad \\ud800 text"}\n')), 2, "UTF-8"),
