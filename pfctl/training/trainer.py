@@ -205,7 +205,7 @@ class Trainer:
             out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             torch.cuda.reset_peak_memory_stats(device)
         if self.peak_flops is not None:
-            out["mfu"] = mfu(self.parameters, tokens, seconds, self.runtime.world_size, self.peak_flops)
+            out["mfu"] = mfu(self.num_parameters, tokens, seconds, self.runtime.world_size, self.peak_flops)
         return out
 
     def accumulate_gradients(self) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
@@ -369,7 +369,7 @@ class Trainer:
         self.setup_runtime()
         self.setup_data()
         model = self.setup_model()
-        self.parameters = sum(p.numel() for p in model.parameters())  # N of the MFU's 6·N per token
+        self.num_parameters = sum(p.numel() for p in model.parameters())  # N of the MFU's 6·N per token
         self.model = self.apply_speed(model)
         self.unwrapped = self.runtime.accelerator.unwrap_model(self.model)
         self.setup_optimizer()

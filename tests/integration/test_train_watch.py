@@ -180,3 +180,18 @@ def test_wall_time_adds_up_the_resumed_segments() -> None:
     rows = [{"elapsed_s": 3.0}, {"elapsed_s": 8.0}, {"elapsed_s": 2.0}, {"loss": 1.0}, {"elapsed_s": 4.0}]
     assert wall_seconds(rows) == 12.0
     assert wall_seconds([{"step_time_s": 1.5}, {"step_time_s": 2.0}]) == 3.5  # older logs: step times
+
+
+def test_a_resume_keeps_the_tracker_run_and_a_fresh_run_starts_a_new_one(tmp_path: Path) -> None:
+    from pfctl.training.trackers import init_kwargs, tracker_run
+
+    cfg = load_config(None, ["train.trackers=[tensorboard, wandb]", "train.run_name=exp-1"]).train
+    first = tracker_run(tmp_path, cfg, resuming=False)
+    assert first["run_name"] == "exp-1" and len(first["wandb_id"]) == 8
+    assert tracker_run(tmp_path, cfg, resuming=True) == first
+    assert tracker_run(tmp_path, cfg, resuming=False)["wandb_id"] != first["wandb_id"]
+    kwargs = init_kwargs(cfg, first, tmp_path, resume_step=6)
+    assert kwargs["wandb"]["id"] == first["wandb_id"] and kwargs["wandb"]["resume"] == "allow"
+    assert kwargs["wandb"]["mode"] == "offline"  # the default: no network, no account
+    assert kwargs["tensorboard"] == {"purge_step": 7}  # what a dead run logged after step 6 is dropped
+    assert init_kwargs(cfg, first, tmp_path, resume_step=None)["tensorboard"] == {"purge_step": 0}
