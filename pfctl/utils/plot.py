@@ -50,6 +50,17 @@ def _fit(draw: Any, text: str, font: Any, width: float) -> str:
     return text + "..."
 
 
+def _vertical_text(img: Image.Image, centre: tuple[float, float], text: str, font: Any) -> None:
+    """``text`` written bottom to top, its left edge at ``centre[0]``, centred on ``centre[1]`` (an axis
+    label that fits beside the tick labels however long it is)."""
+    from PIL import Image, ImageDraw
+
+    strip = Image.new("RGB", (int(ImageDraw.Draw(img).textlength(text, font=font)) + 4, 20), PAPER)
+    ImageDraw.Draw(strip).text((2, 2), text, font=font, fill=INK)
+    turned = strip.rotate(90, expand=True)
+    img.paste(turned, (int(centre[0]), int(centre[1] - turned.height / 2)))
+
+
 def save_png(image: Image.Image, path: str | os.PathLike[str]) -> Path:
     """Write ``image`` as a PNG, atomically (the umask applies)."""
     from pfctl.utils.io import atomic_write_bytes
@@ -136,7 +147,7 @@ def line_chart(
             draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=colour)
     draw.text((w / 2, 12), _printable(title), font=big, fill=INK, anchor="mt")
     draw.text(((left + right) / 2, h - 22), _printable(xlabel), font=small, fill=INK, anchor="mt")
-    draw.text((12, (top + bottom) / 2), _printable(ylabel) + (" (log scale)" if log_y else ""), font=small, fill=INK, anchor="lm")
+    _vertical_text(img, (12, (top + bottom) / 2), _printable(ylabel) + (" (log scale)" if log_y else ""), small)
     legend = [(name, PALETTE[i % len(PALETTE)], False) for i, name in enumerate(points)]
     if marks and marks_label:
         legend.append((marks_label, (120, 120, 120), True))
