@@ -1,7 +1,7 @@
 """``pfctl train``: pyramidal flow matching with video sync groups.
 
 Read :meth:`Trainer.train` first: resume → loop (``train_step`` → log → checkpoint → eval) →
-final checkpoint and export. Everything it calls is set up, in named steps, by
+final checkpoint, export, run summary. Everything it calls is set up, in named steps, by
 :meth:`Trainer.setup`: runtime → data → model (with what trains on it: :mod:`pfctl.training.weights`)
 → speed layer (activation checkpointing → compile → sharding) → optimizer → EMA, noise, logs. The
 pyramid math lives in :mod:`pfctl.flow`, the data rules in :mod:`pfctl.data.dataset` and
@@ -69,6 +69,10 @@ from pfctl.training.weights import trained_weights
 from pfctl.utils.io import atomic_write_text
 
 _NOISE = 201
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / max(len(values), 1)
 
 
 @dataclass
@@ -619,8 +623,7 @@ class Trainer:
             for stage, value in result.per_stage.items():
                 per_stage[stage].append(float(value))
         self.model.train()
-        mean = lambda values: sum(values) / max(len(values), 1)  # noqa: E731
-        return {"heldout_loss": mean(losses)} | {f"heldout_loss_stage{s}": mean(v) for s, v in per_stage.items()}
+        return {"heldout_loss": _mean(losses)} | {f"heldout_loss_stage{s}": _mean(v) for s, v in per_stage.items()}
 
     def validate(self) -> ValidationSamples | None:
         """Validation samples of this step (:func:`pfctl.training.evaluate.sample_validation`): latents,
