@@ -195,3 +195,17 @@ def test_a_resume_keeps_the_tracker_run_and_a_fresh_run_starts_a_new_one(tmp_pat
     assert kwargs["wandb"]["mode"] == "offline"  # the default: no network, no account
     assert kwargs["tensorboard"] == {"purge_step": 7}  # what a dead run logged after step 6 is dropped
     assert init_kwargs(cfg, first, tmp_path, resume_step=None)["tensorboard"] == {"purge_step": 0}
+
+
+def test_mfu_counts_six_flops_per_parameter_and_image_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from pfctl.training.logs import mfu, peak_flops
+
+    assert peak_flops(torch.device("cpu")) is None  # no MFU on the CPU
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert peak_flops(torch.device("cuda", 0)) == 989.5e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    assert peak_flops(torch.device("cuda", 0)) is None  # unknown peak: no MFU rather than a wrong one
+    # 1e9 parameters, 1e4 image tokens over 2 processes in 0.5 s against 1e15 FLOP/s each: 6e13 / 1e15
+    assert mfu(10**9, 1e4, 0.5, 2, 1e15) == pytest.approx(0.06)
