@@ -231,7 +231,9 @@ class TrainConfig(Section):
     eval_every: int | None = Field(default=None, ge=1)
     """Compute the held-out loss every N steps."""
     validation_every: int | None = Field(default=None, ge=1)
-    """Sample validation latents into ``output_dir/validation/step-NNNNNN.safetensors`` every N steps."""
+    """Sample the validation captions at step 0, every N steps and at the last step: latents in
+    ``output_dir/validation/step-NNNNNN.safetensors``; when the cache names its VAE, also decoded: one mp4
+    per caption and the contact sheet ``step-NNNNNN.png`` (also sent to the trackers)."""
     validation_clips: list[str] = Field(default_factory=list)
     """Cache clip ids whose cached caption embeddings condition the validation samples (training
     needs no text encoder); default: the held-out clips, else the first two clips of the cache."""
