@@ -1,4 +1,5 @@
-"""The four library entry points. Each takes the validated recipe config and returns a report.
+"""The library entry points. Each takes the validated recipe config (the summary: a run folder) and
+returns a report.
 
 The CLI is a thin shell around these; tests and notebooks call them directly. Imports are
 lazy so ``import pfctl.api`` stays cheap.
@@ -52,6 +53,14 @@ def train(
     from pfctl.training.trainer import run_training
 
     return run_training(config)
+
+
+def train_summary(output_dir: str) -> Any:
+    """(Re-)render the summary of the training run in ``output_dir`` from its ``metrics.jsonl`` and
+    ``config.yaml`` into ``summary.md`` and ``loss.png`` → :class:`pfctl.training.summary.RunSummary`."""
+    from pfctl.training.summary import write_summary
+
+    return write_summary(output_dir)
 
 
 def generate(

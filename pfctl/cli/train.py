@@ -44,6 +44,16 @@ PlanStepsOpt = Annotated[
     ),
 ]
 
+SummaryOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--summary",
+        help="Write OUTPUT_DIR/summary.md and loss.png of a run from its metrics.jsonl and print the summary; no training.",
+        metavar="OUTPUT_DIR",
+        show_default=False,
+    ),
+]
+
 
 def train(
     recipe: RecipeOpt = None,
@@ -56,8 +66,14 @@ def train(
     dry_run: DryRunOpt = False,
     world_size: WorldSizeOpt = None,
     plan_steps: PlanStepsOpt = None,
+    summary: SummaryOpt = None,
 ) -> None:
     with command_errors():
+        if summary is not None:
+            from pfctl import api
+
+            typer.echo(api.train_summary(summary).markdown)
+            return
         flags = {
             "train.output_dir": output_dir,
             "train.max_steps": max_steps,

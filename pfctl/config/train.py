@@ -38,6 +38,21 @@ DEFAULT_LORA_TARGETS: list[str] = [
 embedders and the final ``proj_out`` outside the blocks stay frozen)."""
 
 
+TrackerName = Literal["tensorboard", "wandb", "comet_ml", "aim", "mlflow", "clearml", "dvclive"]
+"""The experiment trackers accelerate integrates (``accelerate.tracking``)."""
+
+TRACKER_PACKAGES: dict[str, tuple[tuple[str, ...], str]] = {
+    "tensorboard": (("tensorboard", "tensorboardX"), "pip install 'pfctl[tensorboard]'"),
+    "wandb": (("wandb",), "pip install 'pfctl[wandb]'"),
+    "comet_ml": (("comet_ml",), "pip install comet_ml"),
+    "aim": (("aim",), "pip install aim"),
+    "mlflow": (("mlflow",), "pip install mlflow"),
+    "clearml": (("clearml",), "pip install clearml"),
+    "dvclive": (("dvclive",), "pip install dvclive"),
+}
+"""Per tracker: the modules that provide it (any one) and how to install one."""
+
+
 class TrainLoraConfig(Section):
     """``train.lora:`` — low-rank adapters (through peft) instead of full fine-tuning."""
 
@@ -196,8 +211,19 @@ class TrainConfig(Section):
 
     # --- observability --------------------------------------------------------------------------
     log_every: int = Field(default=10, ge=1)
-    tensorboard: bool = False
-    """Log through accelerate's TensorBoard tracker into ``output_dir/tensorboard``."""
+    trackers: list[TrackerName] = Field(default_factory=list)
+    """Experiment trackers fed through accelerate's tracker API, e.g. ``[tensorboard, wandb]``:
+    the step metrics, held-out losses and validation contact sheets (and videos, where the tracker
+    shows them). ``tensorboard`` writes ``output_dir/tensorboard/<tracker_project>``; the others
+    follow their own settings. Each needs its package (``pip install 'pfctl[wandb]'``, ...)."""
+    tracker_project: str = Field(default="pfctl", min_length=1)
+    """The trackers' project (W&B project, TensorBoard sub-folder, MLflow experiment, ...)."""
+    run_name: str | None = None
+    """The run's name in the trackers; default: the name of ``output_dir``."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """``offline`` (default: works without a network or an account) writes the W&B run under
+    ``output_dir/wandb`` (upload it later with ``wandb sync``); ``online`` streams it to the W&B
+    server (``wandb login`` first)."""
     log_assignments: bool = True
     """Write ``output_dir/assignments/rank-NNNNN.jsonl`` (what each rank trained, per micro-batch)."""
     heldout_clips: int = Field(default=0, ge=0)
@@ -205,7 +231,9 @@ class TrainConfig(Section):
     eval_every: int | None = Field(default=None, ge=1)
     """Compute the held-out loss every N steps."""
     validation_every: int | None = Field(default=None, ge=1)
-    """Sample validation latents into ``output_dir/validation/step-NNNNNN.safetensors`` every N steps."""
+    """Sample the validation captions at step 0, every N steps and at the last step: latents in
+    ``output_dir/validation/step-NNNNNN.safetensors``; when the cache names its VAE, also decoded: one mp4
+    per caption and the contact sheet ``step-NNNNNN.png`` (also sent to the trackers)."""
     validation_clips: list[str] = Field(default_factory=list)
     """Cache clip ids whose cached caption embeddings condition the validation samples (training
     needs no text encoder); default: the held-out clips, else the first two clips of the cache."""
@@ -278,8 +306,22 @@ def check_train_constraints(train: TrainConfig, world_size: int) -> SyncGroupPla
                 hint="set train.compile=true, train.gradient_checkpointing=false and train.fsdp=none, "
                 "or train.cuda_graphs=false",
             )
+    check_trackers(train.trackers)
     if train.heldout_clips == 0 and train.eval_every is not None:
         raise ConfigError(
             "train.eval_every is set but train.heldout_clips is 0", hint="set train.heldout_clips=N (N > 0)"
         )
     return layout
+
+
+def check_trackers(trackers: list[str]) -> None:
+    """Each tracker's package must be importable (looked up, not imported: no heavy import here)."""
+    import importlib.util
+
+    for name in trackers:
+        modules, install = TRACKER_PACKAGES[name]
+        if not any(importlib.util.find_spec(module) is not None for module in modules):
+            raise ConfigError(
+                f"train.trackers includes {name!r} but its package ({' or '.join(modules)}) is not installed",
+                hint=f"{install}, or remove {name!r} from train.trackers",
+            )

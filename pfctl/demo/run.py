@@ -4,11 +4,13 @@
 2. **encode-latents** — with the embedded model's VAE and text encoders → a latent cache;
 3. **train** — fine-tune the embedded DiT on that cache with ``torchrun`` on 2 CPU processes
    forming one video sync group of 2 (the two ranks read the same clips and train different
-   temporal units of them), ending in a pfctl export;
+   temporal units of them), ending in a pfctl export; two clips are held out: their loss is
+   measured along the way and their captions are sampled at step 0 and at the end (contact
+   sheets), and the run's summary draws the loss curve;
 4. **generate** — a few videos from the fine-tuned export, scored by
    :mod:`pfctl.demo.score` (colour and direction read back from the frames);
 5. **verify-groupnorm** — the audit of the embedded causal VAE;
-6. a summary of where everything is.
+6. a summary of where everything is: the contact sheets and the loss curve first.
 
 Every stage is the same library call (or, for training, the same ``pfctl train`` command) a user
 would run; the demo only chooses small settings and writes the recipe it used to
@@ -135,6 +137,10 @@ class DemoReport:
     verify_json: Path
     seconds: float
     timings: dict[str, float] = field(default_factory=dict)
+    sheets: list[Path] = field(default_factory=list)
+    """The validation contact sheets of the run, at step 0 and at the end."""
+    loss_plot: Path | None = None
+    summary: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -192,6 +198,10 @@ def demo_recipe(
             "keep_last": 1,
             "log_every": max(1, settings.steps // 10),
             "export": True,
+            "heldout_clips": 2,
+            "eval_every": max(1, settings.steps // 6),
+            "validation_every": settings.steps,  # and at step 0: the sheets show what training changed
+            "validation_units": 3,  # all 17 frames of the clips
         },
         "generate": {"output_dir": str(out / "videos")},
         "verify": {
@@ -299,6 +309,9 @@ def run_demo(
             hint=f"rerun it alone: {' '.join(_train_command(recipe, nproc))}",
         )
     export = out / "train" / "export"
+    sheets = sorted((out / "train" / "validation").glob("step-*.png"))
+    log(f"      validation contact sheets: {', '.join(str(p) for p in sheets)}")
+    log(f"      loss curve: {out / 'train' / 'loss.png'}  (run summary: {out / 'train' / 'summary.md'})")
     timings["train"] = time.perf_counter() - t0
 
     # 4. generate ----------------------------------------------------------------------------
@@ -334,7 +347,10 @@ def run_demo(
     stage(6, "done")
     log(f"      dataset   {dataset.annotation_file}")
     log(f"      cache     {out / 'cache'}")
-    log(f"      training  {out / 'train'}  (metrics.jsonl, checkpoints/)")
+    log(f"      training  {out / 'train'}  (summary.md, metrics.jsonl, checkpoints/)")
+    log(f"      loss      {out / 'train' / 'loss.png'}")
+    for sheet in sheets:
+        log(f"      samples   {sheet}")
     log(f'      model     {export}  (pfctl generate --model {export} "a green square moving up")')
     log(f"      videos    {out / 'videos'}")
     log(f"      verify    {out / 'verify-groupnorm.json'}")
@@ -354,4 +370,7 @@ def run_demo(
         verify_json=out / "verify-groupnorm.json",
         seconds=seconds,
         timings=timings,
+        sheets=sheets,
+        loss_plot=out / "train" / "loss.png",
+        summary=out / "train" / "summary.md",
     )

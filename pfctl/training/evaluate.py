@@ -1,27 +1,45 @@
-"""Validation samples during training: a few clips' cached captions sampled with fixed noise."""
+"""Validation samples during training: a few clips' cached captions sampled with fixed noise, decoded
+with the cache's VAE into mp4s and one contact sheet per step (a picture of what the model makes)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from pfctl.data.dataset import unbatch
 from pfctl.runtime import logging as pflog
 from pfctl.training.data import TEXT_KEYS, TrainData
 
+LABEL_CHARS = 90
+"""Captions longer than this are cut (with "...") in the sheet's row labels."""
+
+
+@dataclass
+class ValidationSamples:
+    """What one validation wrote (main process): the latents, and when the cache names its VAE, one mp4
+    per sample and the contact sheet (its path and pixels, H x W x 3 uint8, for the trackers)."""
+
+    latents: Path
+    sheet: Path | None = None
+    videos: list[Path] = field(default_factory=list)
+    image: np.ndarray | None = None
+
 
 @torch.no_grad()
 def sample_validation(
     config: Any, runtime: Any, data: TrainData, dit: torch.nn.Module, out: Path, step: int
-) -> Path | None:
+) -> ValidationSamples | None:
     """Sample a few clips' captions (cached embeddings, null text as negative) with fixed noise into
-    ``out/validation/step-NNNNNN.safetensors``.
+    ``out/validation/step-NNNNNN.safetensors``; decoded, ``step-NNNNNN-<i>.mp4`` and the contact sheet
+    ``step-NNNNNN.png`` (:func:`write_contact_sheet`).
 
     Latents are saved normalised (``pfctl generate`` decodes with the VAE); the same seed every
     time, so samples of successive steps are comparable. Under FSDP every rank takes part (``dit`` is
-    then the sharded module); otherwise only the main process samples (the others return None).
+    then the sharded module); only the main process writes (the others return None).
     """
     from pfctl.models.text_embeddings import TextEmbeddings
     from pfctl.sampling.sampler import SamplingSettings, TextConditioning, generate_latents
@@ -47,8 +65,66 @@ def sample_validation(
             generator=torch.Generator(device=rt.device).manual_seed(rt.seed), device=rt.device,
             latent_channels=int(first.get("latent_channels", 16)),
         )  # fmt: skip
+    if not rt.is_main:
+        return None
     path = out / "validation" / f"step-{step:06d}.safetensors"
-    if rt.is_main:
-        atomic_save_safetensors({"latents": latents.float()}, path, metadata={"clip_ids": ",".join(ids)})
-        pflog.log(f"validation latents of {ids} → {path}")
-    return path
+    atomic_save_safetensors({"latents": latents.float()}, path, metadata={"clip_ids": ",".join(ids)})
+    samples = ValidationSamples(latents=path)
+    frames = decode_validation(cache.vae, latents, rt.device)
+    if frames is None:
+        pflog.log(f"validation latents of {ids} → {path} (the cache names no VAE to decode them)")
+        return samples
+    labels = [f'step {step} | seed {rt.seed} | "{caption(cache, cid)}"' for cid in ids]
+    write_contact_sheet(samples, frames, labels, fps=clip_fps(cache, ids[0]), step=step)
+    pflog.log(f"validation samples of {ids} → {samples.sheet} (+ {len(samples.videos)} mp4)")
+    return samples
+
+
+def decode_validation(
+    vae_info: dict[str, Any], latents: torch.Tensor, device: torch.device
+) -> np.ndarray | None:
+    """Normalised latents → uint8 frames (B, T, H, W, 3) with the cache's VAE (``vae_info["spec"]``),
+    loaded for this call and freed after; None when the cache does not name its VAE."""
+    from pfctl.models.vae import load_vae
+    from pfctl.sampling.decode import decode_latents, host_frames
+
+    spec = vae_info.get("spec")
+    if not spec:
+        return None
+    vae = load_vae(spec, dtype=torch.float32, device=device)
+    try:
+        _, frames = decode_latents(vae, latents.float())
+        return host_frames(frames)
+    finally:
+        del vae
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def write_contact_sheet(
+    samples: ValidationSamples, frames: np.ndarray, labels: list[str], *, fps: float, step: int
+) -> None:
+    """One mp4 per sample and the contact sheet of them all (first, middle, last frame) next to the
+    latents; fills ``samples``."""
+    from pfctl.sampling.video_io import write_video
+    from pfctl.utils.plot import contact_sheet, save_png
+
+    stem = samples.latents.with_suffix("")
+    samples.videos = [write_video(f"{stem}-{i}.mp4", video, fps) for i, video in enumerate(frames)]
+    image = contact_sheet(list(zip(labels, frames, strict=True)), title=f"validation samples at step {step}")
+    samples.sheet = save_png(image, stem.with_suffix(".png"))
+    samples.image = np.asarray(image)
+
+
+def caption(cache: Any, clip_id: str) -> str:
+    """The clip's caption as encoded (clip metadata ``text``), else its id; long ones cut."""
+    text = cache.metadata(clip_id).get("text") or clip_id
+    return text if len(text) <= LABEL_CHARS else text[: LABEL_CHARS - 3] + "..."
+
+
+def clip_fps(cache: Any, clip_id: str) -> float:
+    """The frame rate the clip was encoded at (24 when the cache does not say)."""
+    try:
+        return float(cache.metadata(clip_id).get("fps", 24))
+    except ValueError:
+        return 24.0

@@ -1,4 +1,4 @@
-"""The run's logs: ``metrics.jsonl`` (+ console, TensorBoard) and the per-rank assignment files.
+"""The run's logs: ``metrics.jsonl`` (+ console, the trackers) and the per-rank assignment files.
 
 A resume trims both to the checkpoint's step, so lines written by a run that died after its last
 checkpoint do not appear twice.
@@ -47,7 +47,7 @@ class RunLogs:
                 fh.write(json.dumps(metrics, sort_keys=True) + "\n")
             if console:
                 pflog.log(format_metrics(metrics, self.cfg.max_steps))
-        if self.cfg.tensorboard:
+        if self.cfg.trackers:
             self.runtime.accelerator.log(
                 {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}, step=step
             )
@@ -61,9 +61,24 @@ def log_step(line: str) -> float:
         return math.inf
 
 
-def flat_config(cfg: TrainConfig) -> dict[str, Any]:
-    """Tracker hyper-parameters must be scalars."""
-    return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in cfg.model_dump().items()}
+PEAK_BF16_FLOPS = {"H200": 989.5e12, "H100": 989.5e12, "A100": 312e12}
+"""Dense bf16 matrix-product rates of the datasheets (FLOP/s), by GPU name: the MFU's denominator."""
+
+
+def peak_flops(device: Any) -> float | None:
+    """The bf16 peak of ``device`` when it is a GPU of :data:`PEAK_BF16_FLOPS`, else None (no MFU)."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name(device)
+    return next((value for key, value in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def mfu(parameters: int, image_tokens: float, seconds: float, processes: int, peak: float) -> float:
+    """Model FLOPs utilisation of a step: 6·N FLOPs per image token (forward 2·N, backward 4·N; text
+    tokens and attention scores not counted) over the step time, against ``processes`` x ``peak``."""
+    return 6.0 * parameters * image_tokens / (seconds * processes * peak)
 
 
 def format_metrics(m: dict[str, Any], max_steps: int) -> str:
@@ -75,5 +90,7 @@ def format_metrics(m: dict[str, Any], max_steps: int) -> str:
     return (
         f"step {m['step']}/{max_steps}  loss {m['loss']:.4f} ({stages})  lr {m['lr']:.3g}  "
         f"grad_norm {m['grad_norm']:.3g}  {m['tokens_per_s']:.0f} tok/s  {m['samples_per_s']:.2f} samples/s"
+        + (f"  MFU {m['mfu']:.1%}" if "mfu" in m else "")
+        + (f"  peak mem {m['peak_memory_gib']:.1f} GiB" if "peak_memory_gib" in m else "")
         + ("  [skipped]" if m.get("skipped") else "")
     )

@@ -1,7 +1,7 @@
 """``pfctl train``: pyramidal flow matching with video sync groups.
 
 Read :meth:`Trainer.train` first: resume → loop (``train_step`` → log → checkpoint → eval) →
-final checkpoint and export. Everything it calls is set up, in named steps, by
+final checkpoint, export, run summary. Everything it calls is set up, in named steps, by
 :meth:`Trainer.setup`: runtime → data → model (with what trains on it: :mod:`pfctl.training.weights`)
 → speed layer (activation checkpointing → compile → sharding) → optimizer → EMA, noise, logs. The
 pyramid math lives in :mod:`pfctl.flow`, the data rules in :mod:`pfctl.data.dataset` and
@@ -59,14 +59,20 @@ from pfctl.training.data import (
     group_agreement,
 )
 from pfctl.training.ema import EMA
-from pfctl.training.evaluate import sample_validation
-from pfctl.training.logs import RunLogs, flat_config
+from pfctl.training.evaluate import ValidationSamples, sample_validation
+from pfctl.training.logs import RunLogs, mfu, peak_flops
 from pfctl.training.optim import build_lr_scheduler, build_optimizer, restore_lr_scheduler
 from pfctl.training.plan import check_cache_buckets, measured_assignment
+from pfctl.training.summary import write_summary
+from pfctl.training.trackers import flat_config, log_validation, start_trackers
 from pfctl.training.weights import trained_weights
 from pfctl.utils.io import atomic_write_text
 
 _NOISE = 201
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / max(len(values), 1)
 
 
 @dataclass
@@ -98,6 +104,8 @@ class Trainer:
         self.losses: list[float] = []
         self.saved: list[str] = []
         self.loaded: ckpt.LoadedCheckpoint | None = None
+        self.started = time.perf_counter()  # wall time of the run: metrics' elapsed_s
+        self.data_seconds = 0.0  # host time spent loading batches in the current step
 
     # ------------------------------------------------------------------------------------------
     # the loop
@@ -113,8 +121,12 @@ class Trainer:
             + (f", resumed at step {self.step} from {resumed}" if resumed else "")
         )
         try:
-            if cfg.eval_every and self.step == 0:  # the baseline the held-out curve starts from
-                self.logs.metrics(self.step, {"heldout_loss": self.heldout_loss()})
+            if self.step == 0:  # the baselines the held-out curve and the validation sheets start from
+                with self.off_the_training_graphs():
+                    if cfg.eval_every:
+                        self.logs.metrics(self.step, self.heldout_loss())
+                    if cfg.validation_every:
+                        self.validate()
             while self.step < cfg.max_steps:
                 metrics = self.train_step()
                 if metrics is None:  # a non-finite loss with nan_policy=stop
@@ -126,11 +138,15 @@ class Trainer:
                     self.save_checkpoint()
                 if cfg.eval_every and self.step % cfg.eval_every == 0:
                     with self.off_the_training_graphs():
-                        self.logs.metrics(self.step, {"heldout_loss": self.heldout_loss()})
-                if cfg.validation_every and self.step % cfg.validation_every == 0:
+                        self.logs.metrics(self.step, self.heldout_loss())
+                last = self.step == cfg.max_steps  # the final samples show where the run ended
+                if cfg.validation_every and (self.step % cfg.validation_every == 0 or last):
                     with self.off_the_training_graphs():
                         self.validate()
             export = self.export() if cfg.export and self.step == cfg.max_steps else None
+            if self.runtime.is_main and self.step == cfg.max_steps:
+                summary = write_summary(self.out)
+                pflog.log(f"run summary: {summary.path} (loss curve: {summary.plot})")
         finally:
             self.close()
         return TrainReport(
@@ -172,7 +188,7 @@ class Trainer:
         tokens, samples = totals[-3], totals[-2]
         self.tokens_seen += int(tokens)
         seconds = time.perf_counter() - tic
-        return {
+        return self.step_metrics(seconds, tokens) | {
             "step": self.step,
             "loss": mean_loss,
             **{f"loss_stage{stage}": totals[1 + i] / world for i, stage in enumerate(self.stages)},
@@ -184,6 +200,18 @@ class Trainer:
             "step_time_s": seconds,
         }
 
+    def step_metrics(self, seconds: float, tokens: float) -> dict[str, float]:
+        """The step's host time loading data, the run's wall time so far, and on CUDA the peak memory
+        (reset for the next step) and the MFU (on a GPU of known peak)."""
+        device, data_seconds, self.data_seconds = self.runtime.device, self.data_seconds, 0.0
+        out = {"data_time_s": data_seconds, "elapsed_s": time.perf_counter() - self.started}
+        if device.type == "cuda":
+            out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            torch.cuda.reset_peak_memory_stats(device)
+        if self.peak_flops is not None:
+            out["mfu"] = mfu(self.num_parameters, tokens, seconds, self.runtime.world_size, self.peak_flops)
+        return out
+
     def accumulate_gradients(self) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
         """``grad_accum`` forward/backwards. Returns the summed ``[loss, loss per stage..., tokens,
         samples]`` (on the device), whether a micro-batch of this rank had a non-finite loss (read only
@@ -194,7 +222,9 @@ class Trainer:
         local_bad = torch.zeros((), dtype=torch.bool, device=device)
         step_ids = []  # for the message when the loss is not finite
         for micro in range(cfg.grad_accum):
+            tic = time.perf_counter()
             batch = self.feed.next_batch(self.micro_step)
+            self.data_seconds += time.perf_counter() - tic
             if faults.poisoned("train_nan", rank=self.runtime.rank, step=self.step + 1):  # test hook
                 batch.latents = torch.full_like(batch.latents, float("nan"))
             step_ids.extend(batch.ids)
@@ -204,7 +234,9 @@ class Trainer:
                 acc.backward(loss / cfg.grad_accum)
             self.micro_step += 1
             if not (last and self.step + 1 >= cfg.max_steps):  # no batch after the run's last step
+                tic = time.perf_counter()
                 self.feed.prefetch(self.micro_step)
+                self.data_seconds += time.perf_counter() - tic
             loss = loss.detach()
             stats[0] += loss.double() / cfg.grad_accum
             local_bad |= ~torch.isfinite(loss)
@@ -341,6 +373,7 @@ class Trainer:
         self.setup_runtime()
         self.setup_data()
         model = self.setup_model()
+        self.num_parameters = sum(p.numel() for p in model.parameters())  # N of the MFU's 6·N per token
         self.model = self.apply_speed(model)
         self.unwrapped = self.runtime.accelerator.unwrap_model(self.model)
         self.setup_optimizer()
@@ -361,7 +394,7 @@ class Trainer:
             self.config.runtime,
             sync_group_size=cfg.video_sync_group,
             project_dir=str(self.out),
-            log_with="tensorboard" if cfg.tensorboard else None,
+            log_with=list(cfg.trackers) or None,
             fsdp_plugin=build_fsdp_plugin(cfg, self.config.model.name),
         )
         self.logs = RunLogs(self.out, cfg, self.runtime)
@@ -419,12 +452,13 @@ class Trainer:
         self.flow = PyramidFlowScheduler()
         noise_seed = int(group_rng(rt.seed, _NOISE, rt.rank).integers(2**62))
         self.noise = torch.Generator(device=rt.device).manual_seed(noise_seed)
+        self.peak_flops = peak_flops(rt.device)
         if rt.is_main:
             from pfctl.config import dump_config
 
             atomic_write_text(self.out / "config.yaml", dump_config(self.config))
-            if cfg.tensorboard:
-                rt.accelerator.init_trackers("tensorboard", config=flat_config(cfg))
+            resume_step = int(self.loaded.train_state["step"]) if self.loaded is not None else None
+            start_trackers(rt.accelerator, cfg, self.out, flat_config(cfg), resume_step)
 
     def resume(self) -> Path | None:
         """Restore optimizer, LR schedule, EMA, counters, data position and RNGs (weights: in setup)."""
@@ -551,8 +585,9 @@ class Trainer:
         return self.out / ("export-official" if self.cfg.export_format == "official" else "export")
 
     @torch.no_grad()
-    def heldout_loss(self) -> float:
-        """Mean loss over the held-out clips with fixed noise (comparable across steps).
+    def heldout_loss(self) -> dict[str, float]:
+        """Mean loss over the held-out clips with fixed noise (comparable across steps): ``heldout_loss``
+        and per stage ``heldout_loss_stage<k>``.
 
         Each clip fills all K columns of a batch (so every stage is measured on it) and is
         noised by a generator seeded from the clip's index — the training RNGs are not touched.
@@ -560,7 +595,7 @@ class Trainer:
         cfg, device = self.cfg, self.runtime.device
         k = sum(cfg.sample_ratios)
         self.model.eval()
-        losses = []
+        losses, per_stage = [], {stage: [] for stage in self.stages}
         for i, clip in enumerate(self.data.heldout):
             entry = self.data.cache.load(clip.id)
             frames = min(clip.num_latent_frames, cfg.max_units)
@@ -583,20 +618,26 @@ class Trainer:
                 text["prompt_attention_mask"].long(),
                 text["pooled_prompt_embeds"].float(),
             )
-            losses.append(float(flow_matching_loss(predictions, inputs.targets).loss))
+            result = flow_matching_loss(predictions, inputs.targets, inputs.column_to_stage)
+            losses.append(float(result.loss))
+            for stage, value in result.per_stage.items():
+                per_stage[stage].append(float(value))
         self.model.train()
-        return sum(losses) / max(len(losses), 1)
+        return {"heldout_loss": _mean(losses)} | {f"heldout_loss_stage{s}": _mean(v) for s, v in per_stage.items()}
 
-    def validate(self) -> Path | None:
-        """Validation latents of this step (:func:`pfctl.training.evaluate.sample_validation`)."""
+    def validate(self) -> ValidationSamples | None:
+        """Validation samples of this step (:func:`pfctl.training.evaluate.sample_validation`): latents,
+        and when the cache names its VAE, the videos and their contact sheet, also sent to the trackers."""
         dit = self.model if self.cfg.fsdp != "none" else self.unwrapped
         self.model.eval()
-        path = sample_validation(self.config, self.runtime, self.data, dit, self.out, self.step)
+        samples = sample_validation(self.config, self.runtime, self.data, dit, self.out, self.step)
         self.model.train()
-        return path
+        if samples is not None and samples.image is not None and self.cfg.trackers:
+            log_validation(self.runtime.accelerator, samples.image, samples.videos, self.step)
+        return samples
 
     def close(self) -> None:
-        if getattr(self, "runtime", None) is not None and self.cfg.tensorboard:
+        if getattr(self, "runtime", None) is not None and self.cfg.trackers:
             self.runtime.accelerator.end_training()
 
 

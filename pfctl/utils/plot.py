@@ -6,16 +6,22 @@ a server without a display or matplotlib.
 
 from __future__ import annotations
 
+import io
 import math
+import os
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
     from PIL import Image
 
 #: line colours, in order (distinguishable, also in grey)
-PALETTE = ((31, 119, 180), (214, 39, 40), (44, 160, 44), (255, 127, 14), (148, 103, 189), (23, 190, 207))
+PALETTE = (
+    (31, 119, 180), (214, 39, 40), (44, 160, 44), (255, 127, 14), (148, 103, 189), (23, 190, 207),
+    (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34),
+)  # fmt: skip
 INK, GRID, PAPER = (20, 20, 20), (225, 225, 225), (255, 255, 255)
 
 
@@ -33,6 +39,35 @@ def _printable(text: str) -> str:
     for fancy, plain in (("—", "-"), ("–", "-"), ("→", "->"), ("×", "x"), ("·", "."), ("…", "...")):
         text = text.replace(fancy, plain)
     return text.encode("latin-1", "replace").decode("latin-1")
+
+
+def _fit(draw: Any, text: str, font: Any, width: float) -> str:
+    """``text``, cut with "..." at its end so that it fits in ``width`` pixels."""
+    if draw.textlength(text, font=font) <= width:
+        return text
+    while text and draw.textlength(text + "...", font=font) > width:
+        text = text[:-1]
+    return text + "..."
+
+
+def _vertical_text(img: Image.Image, centre: tuple[float, float], text: str, font: Any) -> None:
+    """``text`` written bottom to top, its left edge at ``centre[0]``, centred on ``centre[1]`` (an axis
+    label that fits beside the tick labels however long it is)."""
+    from PIL import Image, ImageDraw
+
+    strip = Image.new("RGB", (int(ImageDraw.Draw(img).textlength(text, font=font)) + 4, 20), PAPER)
+    ImageDraw.Draw(strip).text((2, 2), text, font=font, fill=INK)
+    turned = strip.rotate(90, expand=True)
+    img.paste(turned, (int(centre[0]), int(centre[1] - turned.height / 2)))
+
+
+def save_png(image: Image.Image, path: str | os.PathLike[str]) -> Path:
+    """Write ``image`` as a PNG, atomically (the umask applies)."""
+    from pfctl.utils.io import atomic_write_bytes
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", optimize=True)
+    return atomic_write_bytes(path, buffer.getvalue())
 
 
 def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
@@ -112,7 +147,7 @@ def line_chart(
             draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=colour)
     draw.text((w / 2, 12), _printable(title), font=big, fill=INK, anchor="mt")
     draw.text(((left + right) / 2, h - 22), _printable(xlabel), font=small, fill=INK, anchor="mt")
-    draw.text((12, (top + bottom) / 2), _printable(ylabel) + (" (log scale)" if log_y else ""), font=small, fill=INK, anchor="lm")
+    _vertical_text(img, (12, (top + bottom) / 2), _printable(ylabel) + (" (log scale)" if log_y else ""), small)
     legend = [(name, PALETTE[i % len(PALETTE)], False) for i, name in enumerate(points)]
     if marks and marks_label:
         legend.append((marks_label, (120, 120, 120), True))
@@ -155,7 +190,7 @@ def contact_sheet(
     draw.text((img.width / 2, 10), _printable(title), font=big, fill=INK, anchor="mt")
     y = head
     for (label, video), (cw, ch), rh in zip(rows, widths, row_h, strict=True):
-        draw.text((gap, y + 2), _printable(label), font=small, fill=INK)
+        draw.text((gap, y + 2), _fit(draw, _printable(label), small, img.width - 2 * gap), font=small, fill=INK)
         count = video.shape[0]
         picks = sorted({round(i * (count - 1) / max(frames - 1, 1)) for i in range(frames)})
         for j, t in enumerate(picks):

@@ -24,7 +24,7 @@ OPTIONS = {
         "--vae",
     },
     "train": COMMON
-    | {"--dry-run", "--max-steps", "--output-dir", "--plan-steps", "--resume", "--seed", "--world-size"},
+    | {"--dry-run", "--max-steps", "--output-dir", "--plan-steps", "--resume", "--seed", "--summary", "--world-size"},
     "generate": COMMON
     | {
         "--duration",

@@ -163,3 +163,7 @@ def test_demo_quick(tmp_path: Path) -> None:
     assert (out / "train" / "export" / "pfctl_export.json").is_file()
     assert len(list((out / "videos").glob("*.mp4"))) == 2
     assert (out / "verify-groupnorm.json").is_file()
+    # what a person reads: the contact sheets at step 0 and at the end, the loss curve, their paths printed
+    sheets = [out / "train" / "validation" / f"step-{s:06d}.png" for s in (0, 4)]
+    for path in (*sheets, out / "train" / "loss.png", out / "train" / "summary.md"):
+        assert path.is_file() and str(path) in result.stdout, path

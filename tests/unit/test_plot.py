@@ -43,3 +43,22 @@ def test_contact_sheet_grid_holds_the_picked_frames():
     reds = {int(v) for v in np.unique(px[..., 0][(px[..., 1] == 0) & (px[..., 2] == 0)])}
     assert {10, 90, 170} <= reds  # frames 1, 5 and 9 of 9 are shown
     assert img.width >= 3 * 96 and img.height > 2 * 96 * h / w
+
+
+def test_contact_sheet_cuts_a_long_label_to_the_sheet_width():
+    video = np.full((3, 16, 16, 3), 128, np.uint8)
+    img = contact_sheet([("step 7 | seed 0 | " + "a very long caption " * 20, video)], title="t", frames=3, cell=64)
+    px = _pixels(img)
+    band = px[40:62]  # the row's label line, below the 40 px title
+    assert (band < 100).all(axis=-1).any()  # the label is drawn
+    assert (band[:, -8:] == 255).all()  # and stops before the right margin
+
+
+def test_save_png_writes_what_was_drawn(tmp_path):
+    from PIL import Image
+
+    from pfctl.utils.plot import save_png
+
+    img = line_chart({"a": ([0, 1], [0.0, 1.0])}, title="t", xlabel="x", ylabel="y")
+    path = save_png(img, tmp_path / "chart.png")
+    assert (np.asarray(Image.open(path).convert("RGB")) == _pixels(img)).all()
