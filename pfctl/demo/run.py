@@ -235,6 +235,21 @@ def _run_streaming(cmd: list[str], env: dict[str, str], log: Callable[[str], Non
         return proc.wait()
 
 
+@dataclass
+class _Demo:
+    """One demo run: where it writes, how it reports, and what each step took."""
+
+    out: Path
+    settings: DemoSettings
+    log: Callable[[str], None]
+    start: float = field(default_factory=time.perf_counter)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def stage(self, number: int, title: str) -> float:
+        self.log(f"[{number}/6] {title}  (+{time.perf_counter() - self.start:.0f} s)")
+        return time.perf_counter()
+
+
 def run_demo(
     out_dir: str | os.PathLike[str] = "pfctl-demo",
     *,
@@ -251,101 +266,133 @@ def run_demo(
     import yaml
 
     from pfctl import api
-    from pfctl.demo.score import score_clips
     from pfctl.demo.shapes import make_shapes
+    from pfctl.utils.io import atomic_write_text
 
-    if log is None:
-        from pfctl.runtime.logging import log as _log
-
-        log = _log
     if nproc < 1 or sync_group < 1 or nproc % sync_group:
         raise ConfigError(
             f"--nproc {nproc} must be a positive multiple of --sync-group {sync_group}",
             hint="the demo's default is 2 processes in one sync group of 2",
         )
-    settings = DemoSettings.make(quick, num_clips, steps)
+    demo = _Demo(_fresh_folder(out_dir, overwrite), DemoSettings.make(quick, num_clips, steps), log or _default_log())
+    out, settings = demo.out, demo.settings
+    recipe_data = demo_recipe(out, settings, nproc=nproc, sync_group=sync_group, seed=seed)
+    recipe = out / "recipe.yaml"
+    atomic_write_text(recipe, yaml.safe_dump(recipe_data, sort_keys=False))
+    config = _config(recipe_data)
+
+    t0 = demo.stage(1, f"making {settings.num_clips} shapes clips (64x64, 17 frames) in {out / 'shapes'}")
+    dataset = make_shapes(out / "shapes", num_clips=settings.num_clips, seed=seed)
+    demo.timings["data"] = time.perf_counter() - t0
+
+    t0 = demo.stage(2, f"encode-latents with the embedded model's VAE and text encoders → {out / 'cache'}")
+    encoded = api.encode_latents(config, overwrite=True)
+    demo.log(f"      encoded {encoded.encoded} clips ({encoded.failed} failed) in {encoded.seconds:.1f} s")
+    demo.timings["encode"] = time.perf_counter() - t0
+
+    export, sheets = _train(demo, recipe, nproc, sync_group)
+    videos, score = _generate(demo, config, export)
+
+    t0 = demo.stage(5, "verify-groupnorm on the embedded causal VAE")
+    verify = api.verify_groupnorm(config)
+    demo.log(f"      verdict: {verify.status} (details in {out / 'verify-groupnorm.json'})")
+    demo.timings["verify"] = time.perf_counter() - t0
+
+    seconds = time.perf_counter() - demo.start
+    _print_summary(demo, dataset.annotation_file, recipe, export, sheets, seconds)
+    return DemoReport(
+        out_dir=out,
+        dataset=dataset.annotation_file,
+        cache=out / "cache",
+        train_dir=out / "train",
+        export=export,
+        recipe=recipe,
+        videos=videos,
+        color_accuracy=score.color_accuracy,
+        direction_accuracy=score.direction_accuracy,
+        verify_status=str(verify.status),
+        verify_json=out / "verify-groupnorm.json",
+        seconds=seconds,
+        timings=demo.timings,
+        sheets=sheets,
+        loss_plot=out / "train" / "loss.png",
+        summary=out / "train" / "summary.md",
+    )
+
+
+def _default_log() -> Callable[[str], None]:
+    from pfctl.runtime.logging import log
+
+    return log
+
+
+def _fresh_folder(out_dir: str | os.PathLike[str], overwrite: bool) -> Path:
+    """The demo's folder, its earlier results removed (``overwrite``)."""
     out = Path(out_dir).expanduser().resolve()
     if out.exists() and overwrite:
         for name in ("shapes", "cache", "train", "videos"):
             shutil.rmtree(out / name, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    timings: dict[str, float] = {}
+    return out
 
-    def stage(number: int, title: str) -> float:
-        log(f"[{number}/6] {title}  (+{time.perf_counter() - start:.0f} s)")
-        return time.perf_counter()
 
-    recipe_data = demo_recipe(out, settings, nproc=nproc, sync_group=sync_group, seed=seed)
-    recipe = out / "recipe.yaml"
-    from pfctl.utils.io import atomic_write_text
-
-    atomic_write_text(recipe, yaml.safe_dump(recipe_data, sort_keys=False))
-    config = _config(recipe_data)
-
-    # 1. data --------------------------------------------------------------------------------
-    t0 = stage(1, f"making {settings.num_clips} shapes clips (64x64, 17 frames) in {out / 'shapes'}")
-    dataset = make_shapes(out / "shapes", num_clips=settings.num_clips, seed=seed)
-    timings["data"] = time.perf_counter() - t0
-
-    # 2. encode ------------------------------------------------------------------------------
-    t0 = stage(2, f"encode-latents with the embedded model's VAE and text encoders → {out / 'cache'}")
-    encoded = api.encode_latents(config, overwrite=True)
-    log(f"      encoded {encoded.encoded} clips ({encoded.failed} failed) in {encoded.seconds:.1f} s")
-    timings["encode"] = time.perf_counter() - t0
-
-    # 3. train -------------------------------------------------------------------------------
-    t0 = stage(
+def _train(demo: _Demo, recipe: Path, nproc: int, sync_group: int) -> tuple[Path, list[Path]]:
+    """Step 3: ``pfctl train`` in ``nproc`` real processes; returns the export and the contact sheets."""
+    out = demo.out
+    t0 = demo.stage(
         3,
-        f"fine-tuning the embedded DiT for {settings.steps} steps on {nproc} CPU process(es), "
+        f"fine-tuning the embedded DiT for {demo.settings.steps} steps on {nproc} CPU process(es), "
         f"sync group {sync_group} (pfctl train --recipe {recipe})",
     )
     threads = max(1, (os.cpu_count() or 2) // nproc)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    code = _run_streaming(_train_command(recipe, nproc), env, log, "      ")
+    code = _run_streaming(_train_command(recipe, nproc), env, demo.log, "      ")
     if code != 0:
         raise CheckFailed(
             f"pfctl train exited with code {code} (see the lines above)",
             hint=f"rerun it alone: {' '.join(_train_command(recipe, nproc))}",
         )
-    export = out / "train" / "export"
     sheets = sorted((out / "train" / "validation").glob("step-*.png"))
-    log(f"      validation contact sheets: {', '.join(str(p) for p in sheets)}")
-    log(f"      loss curve: {out / 'train' / 'loss.png'}  (run summary: {out / 'train' / 'summary.md'})")
-    timings["train"] = time.perf_counter() - t0
+    demo.log(f"      validation contact sheets: {', '.join(str(p) for p in sheets)}")
+    demo.log(f"      loss curve: {out / 'train' / 'loss.png'}  (run summary: {out / 'train' / 'summary.md'})")
+    demo.timings["train"] = time.perf_counter() - t0
+    return out / "train" / "export", sheets
 
-    # 4. generate ----------------------------------------------------------------------------
+
+def _generate(demo: _Demo, config: Any, export: Path) -> tuple[list[Path], Any]:
+    """Step 4: videos of the demo's prompts from the fine-tuned model, scored for colour and direction."""
+    from pfctl import api
     from pfctl.config.generate import PromptSpec
+    from pfctl.demo.score import score_clips
 
     specs = [
         PromptSpec(prompt=caption_for(color, SHAPES[i % len(SHAPES)], direction), seed=PROMPT_SEED + i)
-        for i, (color, direction) in enumerate(settings.prompts)
+        for i, (color, direction) in enumerate(demo.settings.prompts)
     ]
-    t0 = stage(4, f"generating {len(specs)} videos from the fine-tuned model → {out / 'videos'}")
+    t0 = demo.stage(4, f"generating {len(specs)} videos from the fine-tuned model → {demo.out / 'videos'}")
     gen_config = config.model_copy(update={"model": config.model.model_copy(update={"path": str(export)})})
     report = api.generate(gen_config, prompts=specs)
     score = score_clips([(v.prompt, v.path) for v in report.videos], colors=DEFAULT_COLORS)
     for row in score.rows:
-        log(
+        demo.log(
             f"      {Path(row['source']).name}: read back {row['color']} / {row['direction']}"
             f"{'' if row['color_ok'] and row['direction_ok'] else '  (differs from the prompt)'}"
         )
-    log(
+    demo.log(
         f"      colour right in {score.color_accuracy:.0%}, direction right in {score.direction_accuracy:.0%} "
         f"of {score.num_clips} videos"
     )
-    timings["generate"] = time.perf_counter() - t0
+    demo.timings["generate"] = time.perf_counter() - t0
+    return [v.path for v in report.videos], score
 
-    # 5. verify ------------------------------------------------------------------------------
-    t0 = stage(5, "verify-groupnorm on the embedded causal VAE")
-    verify = api.verify_groupnorm(config)
-    log(f"      verdict: {verify.status} (details in {out / 'verify-groupnorm.json'})")
-    timings["verify"] = time.perf_counter() - t0
 
-    # 6. summary -----------------------------------------------------------------------------
-    seconds = time.perf_counter() - start
-    stage(6, "done")
-    log(f"      dataset   {dataset.annotation_file}")
+def _print_summary(
+    demo: _Demo, dataset: Path, recipe: Path, export: Path, sheets: list[Path], seconds: float
+) -> None:
+    """Step 6: where everything is."""
+    out, log = demo.out, demo.log
+    demo.stage(6, "done")
+    log(f"      dataset   {dataset}")
     log(f"      cache     {out / 'cache'}")
     log(f"      training  {out / 'train'}  (summary.md, metrics.jsonl, checkpoints/)")
     log(f"      loss      {out / 'train' / 'loss.png'}")
@@ -355,22 +402,4 @@ def run_demo(
     log(f"      videos    {out / 'videos'}")
     log(f"      verify    {out / 'verify-groupnorm.json'}")
     log(f"      recipe    {recipe}")
-    log(f"      total     {seconds:.0f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()) + ")")
-    return DemoReport(
-        out_dir=out,
-        dataset=dataset.annotation_file,
-        cache=out / "cache",
-        train_dir=out / "train",
-        export=export,
-        recipe=recipe,
-        videos=[v.path for v in report.videos],
-        color_accuracy=score.color_accuracy,
-        direction_accuracy=score.direction_accuracy,
-        verify_status=str(verify.status),
-        verify_json=out / "verify-groupnorm.json",
-        seconds=seconds,
-        timings=timings,
-        sheets=sheets,
-        loss_plot=out / "train" / "loss.png",
-        summary=out / "train" / "summary.md",
-    )
+    log(f"      total     {seconds:.0f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in demo.timings.items()) + ")")
