@@ -46,12 +46,14 @@ def log(message: str, *, all_ranks: bool = False) -> None:
     if all_ranks and not _STATE["is_main"]:
         print(f"[rank {_STATE['rank']}] {message}", flush=True)
     elif _STATE["is_main"]:
-        console().print(message)
+        console().print(message, markup=False)  # paths and error texts hold brackets: never markup
 
 
 def warn(message: str) -> None:
     if _STATE["is_main"]:
-        console().print(f"[yellow]warning:[/yellow] {message}")
+        from rich.text import Text
+
+        console().print(Text.assemble(("warning:", "yellow"), " ", message))
 
 
 class _PlainProgress:

@@ -109,3 +109,14 @@ def test_export_and_checkpoint_honour_the_umask(tmp_path: Path, umask: int) -> N
     step = ckpt.save_checkpoint(root, payload, rank=0, is_main=True, barrier=lambda: None)
     assert _modes(root) == _expect(root, umask)
     assert step.is_dir() and len(_modes(step)) > 4  # model, optimizer, rank state, marker
+
+
+def test_log_and_warn_print_brackets_as_written(capsys) -> None:
+    """Error texts carry brackets (gloo: ``[/path/pair.cc:553]``, rich-markup look-alikes): printed verbatim."""
+    from pfctl.runtime import logging as pflog
+
+    pflog.log("gloo said [/__w/gloo/pair.cc:553] and [/closing] [bold]x[/bold]")
+    pflog.warn("a [red]tag[/red] and [/oops]")
+    out = capsys.readouterr().out
+    assert "[/__w/gloo/pair.cc:553] and [/closing] [bold]x[/bold]" in out
+    assert "warning: a [red]tag[/red] and [/oops]" in out
