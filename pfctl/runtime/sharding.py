@@ -89,12 +89,6 @@ def ensure_process_group(device_type: str) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
-def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
 @contextlib.contextmanager
 def no_gradient_sync(model: nn.Module) -> Iterator[None]:
     """Backward inside keeps its (unsharded, fp32) gradients local: no reduce-scatter until a backward

@@ -38,7 +38,7 @@ LOSS_SUMS = {
 }
 
 
-def _run(tmp: Path, out: str, device: str, **train) -> Path:
+def _run(tmp: Path, out: str, device: str, nproc: int = 2, **train) -> Path:
     recipe = {
         "runtime": {"device": device, "seed": 2, "collective_timeout_s": 120},
         "model": {"dit_preset": "tiny"},
@@ -49,7 +49,9 @@ def _run(tmp: Path, out: str, device: str, **train) -> Path:
     }  # fmt: skip
     path = tmp / f"{out}.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd = [sys.executable]
+    if nproc > 1:
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd += ["-m", "pfctl", "train", "--recipe", str(path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PFCTL_TEST_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
@@ -127,3 +129,27 @@ def test_fsdp_on_gpus_matches_unsharded_and_resumes(tmp_path: Path, fsdp: str, c
     plain = _run(tmp_path, "plain", "cuda", fsdp="none")
     sharded = _run(tmp_path, "sharded", "cuda", fsdp=fsdp, compile=compile)
     _check_sharded_run(tmp_path, sharded, plain, fsdp, "cuda")
+
+
+@pytest.mark.slow
+def test_lone_process_resumes_across_fsdp_settings(tmp_path: Path) -> None:
+    """One process shards too (a group of one), and a checkpoint resumes under the other ``train.fsdp``:
+    the unsharded run's index-keyed optimizer state into the sharded optimizer, and back by name."""
+    write_synthetic_cache(str(tmp_path / "cache"), [4] * 8 + [2] * 8, seed=0)
+    lone = {"nproc": 1, "video_sync_group": 1, "checkpoint_every": 1}
+    plain = _run(tmp_path, "plain", "cpu", fsdp="none", **lone)
+    sharded = _run(
+        tmp_path,
+        "sharded",
+        "cpu",
+        fsdp="full_shard",
+        resume=str(plain / "checkpoints" / "step-000001"),
+        **lone,
+    )
+    back = _run(
+        tmp_path, "back", "cpu", fsdp="none", resume=str(sharded / "checkpoints" / "step-000002"), **lone
+    )
+    assert_rounding_close(_losses(sharded), _losses(plain)[1:], **LOSS_SUMS)
+    assert_rounding_close(_losses(back), _losses(plain)[2:], **LOSS_SUMS)
+    meta = json.loads((sharded / "checkpoints" / "step-000002" / "optimizer.json").read_text())
+    assert not meta["key_is_int"] and "transformer_blocks.0.attn.to_q.weight" in meta["param_keys"]
