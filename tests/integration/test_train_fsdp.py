@@ -45,7 +45,8 @@ def _run(tmp: Path, out: str, device: str, nproc: int = 2, **train) -> Path:
         "train": {"cache": str(tmp / "cache"), "output_dir": str(tmp / out), "batch_size": 4, "max_units": 4,
                   "video_sync_group": 2, "grad_accum": 2, "lr": 2e-3, "warmup_steps": 1, "max_steps": STEPS,
                   "checkpoint_every": 2, "keep_last": None, "ema_decay": 0.9, "ema_every": 1, "log_every": 1,
-                  "gradient_checkpointing": True, "gradient_checkpointing_ratio": 0.5, **train},
+                  "gradient_checkpointing": True, "gradient_checkpointing_ratio": 0.5, "heldout_clips": 2,
+                  "eval_every": 2, "validation_every": STEPS, "validation_units": 1, **train},
     }  # fmt: skip
     path = tmp / f"{out}.yaml"
     path.write_text(yaml.safe_dump(recipe))
@@ -59,8 +60,9 @@ def _run(tmp: Path, out: str, device: str, nproc: int = 2, **train) -> Path:
     return tmp / out
 
 
-def _losses(run: Path) -> list[float]:
-    return [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+def _losses(run: Path, key: str = "loss") -> list[float]:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [row[key] for row in rows if key in row]
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -73,8 +75,11 @@ def _check_sharded_run(tmp: Path, sharded: Path, plain: Path, fsdp: str, device:
     checkpoint's weights."""
     cpu = device == "cpu"
     last = sharded / "checkpoints" / f"step-{STEPS:06d}"
+    validation = load_file(str(sharded / "validation" / f"step-{STEPS:06d}.safetensors"))["latents"]
+    assert bool(validation.isfinite().all())  # every rank took part in sampling with the sharded DiT
     if cpu:
         assert_rounding_close(_losses(sharded), _losses(plain), **LOSS_SUMS)
+        assert_rounding_close(_losses(sharded, "heldout_loss"), _losses(plain, "heldout_loss"), **LOSS_SUMS)
         for sub in ("model", "ema"):
             ours, theirs = _weights(last / sub), _weights(plain / "checkpoints" / f"step-{STEPS:06d}" / sub)
             assert ours.keys() == theirs.keys(), sub
