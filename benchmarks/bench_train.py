@@ -116,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="config override (repeatable), applied after the recipe and the options below",
     )
     parser.add_argument(
-        "--nproc",
+        "--processes",
         type=int,
         default=None,
         help="processes (one per GPU); default: every visible GPU with --recipe, else 1",
@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch
 
-    nproc = args.nproc or (torch.cuda.device_count() if is_cuda(args) and args.recipe else 1)
+    nproc = args.processes or (torch.cuda.device_count() if is_cuda(args) and args.recipe else 1)
     with tempfile.TemporaryDirectory(prefix="pfctl-bench-") as tmp:
         args.workdir = tmp
         if nproc <= 1:

@@ -157,7 +157,8 @@ class TrainConfig(Section):
     ``none``: a whole copy per process (data parallel). On CUDA under bf16 the blocks compute from bf16
     gathers and reduce gradients in fp32. Works on the CPU (gloo) too. Checkpoints hold whole weights."""
     fsdp_cpu_offload: bool = False
-    """With ``fsdp``: keep the parameter shards, gradients and optimizer state in host memory."""
+    """With ``fsdp`` on CUDA: keep the parameter shards, gradients and optimizer state in host memory (the
+    optimizer steps there). Nothing to offload on the CPU."""
     attention: Literal["auto", "efficient", "cudnn"] = "efficient"
     """The kernel of the DiT's masked attention: ``efficient`` (default) the memory-efficient one;
     ``cudnn`` cuDNN's, which builds a plan per shape: the pyramid's shapes change every step, so in
@@ -253,6 +254,11 @@ def check_train_constraints(train: TrainConfig, world_size: int) -> SyncGroupPla
             "train.base_dtype=bf16 needs train.lora.enabled=true: only a LoRA run has frozen base weights "
             "(full fine-tuning keeps fp32 master weights)",
             hint="--set train.lora.enabled=true, or keep train.base_dtype=fp32",
+        )
+    if train.fsdp_cpu_offload and train.fsdp == "none":
+        raise ConfigError(
+            "train.fsdp_cpu_offload=true needs train.fsdp (it offloads the shards)",
+            hint="set train.fsdp=shard_grad_op or full_shard, or train.fsdp_cpu_offload=false",
         )
     if train.lora.enabled and train.fsdp != "none":
         raise ConfigError(

@@ -77,12 +77,16 @@ def shard_dit(model: torch.nn.Module, cfg: TrainConfig, runtime: Any) -> torch.n
     """``train.fsdp`` (``shard_grad_op`` = ZeRO-2, ``full_shard`` = ZeRO-3): FSDP2 over every process, each
     transformer block a unit, the root the rest (:func:`pfctl.runtime.sharding.shard_model`). On CUDA
     under bf16 the blocks compute from bf16 gathers and reduce gradients in fp32; elsewhere in fp32."""
+    from pfctl.runtime import logging as pflog
     from pfctl.runtime.sharding import shard_model
 
-    bf16 = runtime.device.type == "cuda" and runtime.mixed_precision == "bf16"
+    cuda = runtime.device.type == "cuda"
+    if cfg.fsdp_cpu_offload and not cuda:
+        pflog.log("train.fsdp_cpu_offload is ignored on the CPU (the shards are in host memory already)")
     return shard_model(
         model, [block for _, block in model.blocks_in_order()], strategy=cfg.fsdp,
-        param_dtype=torch.bfloat16 if bf16 else None, cpu_offload=cfg.fsdp_cpu_offload, device=runtime.device,
+        param_dtype=torch.bfloat16 if cuda and runtime.mixed_precision == "bf16" else None,
+        cpu_offload=cfg.fsdp_cpu_offload and cuda, device=runtime.device,
     )  # fmt: skip
 
 

@@ -107,6 +107,18 @@ def _check_sharded_run(tmp: Path, sharded: Path, plain: Path, fsdp: str, device:
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
 
 
+def test_cpu_offload_without_sharding_is_refused() -> None:
+    from pfctl.config import load_config
+    from pfctl.config.train import check_train_constraints
+    from pfctl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"train\.fsdp_cpu_offload=true needs train\.fsdp"):
+        check_train_constraints(load_config(None, ["train.fsdp_cpu_offload=true"]).train, 1)
+    check_train_constraints(
+        load_config(None, ["train.fsdp_cpu_offload=true", "train.fsdp=full_shard"]).train, 1
+    )
+
+
 @pytest.fixture(scope="module")
 def cpu_unsharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The 2-process eager run without sharding (DDP) every sharded run is compared with."""
