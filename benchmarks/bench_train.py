@@ -396,7 +396,7 @@ def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tup
         return (
             f"{achieved / rate:.1%} of {rate / 1e12:.0f} TFLOP/s bf16 dense"
             if rate
-            else f"n/a ({achieved / 1e12:.3f} TFLOP/s)"
+            else f"n/a ({achieved / 1e12:.3g} TFLOP/s, no peak rate known)"
         )
 
     cfg = trainer.cfg
@@ -417,7 +417,7 @@ def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tup
         ("image tokens/s per GPU", f"{tok_s:,.0f}"),
         ("MFU (6·N·image tokens)", util(6 * params)),
         ("with recomputation (+2·N_ckpt·tokens)", util(6 * params + 2 * recomputed) if recomputed else "no recomputation"),
-        ("analytic model TFLOP/s per GPU (attention, text)", f"{sum(analytic[i] for i in timed) / seconds / 1e12:.2f}"),
+        ("analytic model TFLOP/s per GPU (attention, text)", f"{sum(analytic[i] for i in timed) / seconds / 1e12:.3g}"),
         # on CUDA train_step returns once the optimizer update is queued (the GPU may still run it)
         ("host fraction of the step", f"{statistics.median(host_max[i] / step_max[i] for i in timed):.0%}"),
         ("batch loading / step (host)", f"{statistics.median(load_max[i] for i in timed) * 1e3:.1f} ms"),
