@@ -3,7 +3,8 @@ unsharded run computes, checkpoints hold the whole (gathered) weights, a resume 
 continues exactly, the export is the gathered model.
 
 CPU: 2 processes (gloo) under ``torchrun``, the tiny DiT with activation checkpointing on half of its
-blocks, 2 micro-batches per step (the first backward without gradient sync), EMA every step.
+blocks, 2 micro-batches per step (the first backward without gradient sync), every step's gradients
+clipped, EMA every step, held-out losses and validation samples.
 CUDA (2 GPUs): the same in bf16, and compiled + checkpointed + sharded against the eager unsharded run.
 """
 
@@ -25,6 +26,7 @@ from pfctl.data.dataset import write_synthetic_cache
 from pfctl.models.registry import preset_config
 
 STEPS = 4
+CLIP = 0.05  # below the tiny DiT's gradient norms: every step is clipped (by the whole model's norm)
 TINY = preset_config("tiny")
 WIDTH = TINY["num_attention_heads"] * TINY["attention_head_dim"]
 BLOCKS = TINY["num_layers"] + TINY["num_single_layers"]
@@ -43,8 +45,8 @@ def _run(tmp: Path, out: str, device: str, nproc: int = 2, **train) -> Path:
         "runtime": {"device": device, "seed": 2, "collective_timeout_s": 120},
         "model": {"dit_preset": "tiny"},
         "train": {"cache": str(tmp / "cache"), "output_dir": str(tmp / out), "batch_size": 4, "max_units": 4,
-                  "video_sync_group": 2, "grad_accum": 2, "lr": 2e-3, "warmup_steps": 1, "max_steps": STEPS,
-                  "checkpoint_every": 2, "keep_last": None, "ema_decay": 0.9, "ema_every": 1, "log_every": 1,
+                  "video_sync_group": 2, "grad_accum": 2, "lr": 2e-3, "grad_clip": CLIP, "warmup_steps": 1,
+                  "max_steps": STEPS, "checkpoint_every": 2, "keep_last": None, "ema_decay": 0.9, "ema_every": 1, "log_every": 1,
                   "gradient_checkpointing": True, "gradient_checkpointing_ratio": 0.5, "heldout_clips": 2,
                   "eval_every": 2, "validation_every": STEPS, "validation_units": 1, **train},
     }  # fmt: skip
@@ -78,6 +80,8 @@ def _check_sharded_run(tmp: Path, sharded: Path, plain: Path, fsdp: str, device:
     validation = load_file(str(sharded / "validation" / f"step-{STEPS:06d}.safetensors"))["latents"]
     assert bool(validation.isfinite().all())  # every rank took part in sampling with the sharded DiT
     if cpu:
+        assert min(_losses(plain, "grad_norm")) > CLIP
+        assert_rounding_close(_losses(sharded, "grad_norm"), _losses(plain, "grad_norm"), **LOSS_SUMS)
         assert_rounding_close(_losses(sharded), _losses(plain), **LOSS_SUMS)
         assert_rounding_close(_losses(sharded, "heldout_loss"), _losses(plain, "heldout_loss"), **LOSS_SUMS)
         for sub in ("model", "ema"):
