@@ -75,8 +75,9 @@ def build_model(config: Any) -> tuple[str, torch.nn.Module, str | None, dict[str
 
 def shard_dit(model: torch.nn.Module, cfg: TrainConfig, runtime: Any) -> torch.nn.Module:
     """``train.fsdp`` (``shard_grad_op`` = ZeRO-2, ``full_shard`` = ZeRO-3): FSDP2 over every process, each
-    transformer block a unit, the root the rest (:func:`pfctl.runtime.sharding.shard_model`). On CUDA
-    under bf16 the blocks compute from bf16 gathers and reduce gradients in fp32; elsewhere in fp32."""
+    transformer block a unit, the root the rest (:func:`pfctl.runtime.sharding.shard_model`). Under bf16
+    mixed precision (the CUDA default) the blocks compute from bf16 gathers and reduce gradients in fp32;
+    otherwise in fp32."""
     from pfctl.runtime import logging as pflog
     from pfctl.runtime.sharding import shard_model
 
@@ -85,7 +86,7 @@ def shard_dit(model: torch.nn.Module, cfg: TrainConfig, runtime: Any) -> torch.n
         pflog.log("train.fsdp_cpu_offload is ignored on the CPU (the shards are in host memory already)")
     return shard_model(
         model, [block for _, block in model.blocks_in_order()], strategy=cfg.fsdp,
-        param_dtype=torch.bfloat16 if cuda and runtime.mixed_precision == "bf16" else None,
+        param_dtype=torch.bfloat16 if runtime.mixed_precision == "bf16" else None,
         cpu_offload=cfg.fsdp_cpu_offload and cuda, device=runtime.device,
     )  # fmt: skip
 

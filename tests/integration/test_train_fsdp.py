@@ -40,9 +40,9 @@ LOSS_SUMS = {
 }
 
 
-def _run(tmp: Path, out: str, device: str, nproc: int = 2, **train) -> Path:
+def _run(tmp: Path, out: str, device: str, nproc: int = 2, precision: str = "auto", **train) -> Path:
     recipe = {
-        "runtime": {"device": device, "seed": 2, "collective_timeout_s": 120},
+        "runtime": {"device": device, "seed": 2, "collective_timeout_s": 120, "mixed_precision": precision},
         "model": {"dit_preset": "tiny"},
         "train": {"cache": str(tmp / "cache"), "output_dir": str(tmp / out), "batch_size": 4, "max_units": 4,
                   "video_sync_group": 2, "grad_accum": 2, "lr": 2e-3, "grad_clip": CLIP, "warmup_steps": 1,
@@ -174,3 +174,17 @@ def test_lone_process_resumes_across_fsdp_settings(tmp_path: Path) -> None:
     assert_rounding_close(_losses(back), _losses(plain)[2:], **LOSS_SUMS)
     meta = json.loads((sharded / "checkpoints" / "step-000002" / "optimizer.json").read_text())
     assert not meta["key_is_int"] and "transformer_blocks.0.attn.to_q.weight" in meta["param_keys"]
+
+
+@pytest.mark.slow
+def test_bf16_sharded_blocks_train_like_autocast(tmp_path: Path) -> None:
+    """Under bf16 the blocks compute from bf16 gathers (what autocast's casts of the fp32 weights give) and
+    reduce in fp32: the losses of the unsharded bf16-autocast run, while the weights stay fp32 masters."""
+    write_synthetic_cache(str(tmp_path / "cache"), [4] * 8 + [2] * 8, seed=0)
+    lone = {"nproc": 1, "precision": "bf16", "video_sync_group": 1, "lr": 2e-2}
+    plain = _run(tmp_path, "plain", "cpu", fsdp="none", **lone)
+    sharded = _run(tmp_path, "sharded", "cpu", fsdp="full_shard", **lone)
+    # bf16 rounds each product input to 8 bits (2^-8 relative); the loss averages every element's error
+    assert _losses(sharded) == pytest.approx(_losses(plain), rel=2**-8)
+    weights = _weights(sharded / "checkpoints" / f"step-{STEPS:06d}" / "model")
+    assert {t.dtype for t in weights.values()} == {torch.float32}
