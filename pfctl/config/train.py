@@ -155,7 +155,8 @@ class TrainConfig(Section):
     (ZeRO-2: parameters, gradients and optimizer state sharded, a block's gathered weights kept from its
     forward to its backward) or ``full_shard`` (ZeRO-3: gathered again for the backward; least memory);
     ``none``: a whole copy per process (data parallel). Under bf16 mixed precision the blocks compute
-    from bf16 gathers and reduce gradients in fp32. Works on the CPU (gloo) too. Checkpoints hold whole weights."""
+    from bf16 gathers and reduce gradients in fp32. Works on the CPU (gloo) too. Checkpoints hold whole
+    weights."""
     fsdp_cpu_offload: bool = False
     """With ``fsdp`` on CUDA: keep the parameter shards, gradients and optimizer state in host memory (the
     optimizer steps there). Nothing to offload on the CPU."""
