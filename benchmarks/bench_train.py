@@ -1,41 +1,59 @@
-"""Training throughput of ``pfctl train``: step time, tokens/s and MFU with analytic FLOPs.
+"""Training throughput of ``pfctl train``: step time, tokens/s, MFU, host share, memory, warm-up.
 
-Runs the real :class:`pfctl.training.trainer.Trainer` (data loader, temporal pyramid, DiT,
-AdamW, bf16 autocast on CUDA) on a synthetic latent cache:
+Runs the real :class:`pfctl.training.trainer.Trainer` (data loader, temporal pyramid, DiT, objective,
+optimizer, EMA, metric logging) on a synthetic latent cache, one step at a time:
 
-* CPU (default there): the ``tiny`` preset on 8x8 latents, 4 latent frames — steps/s.
-* CUDA: the real-size ``miniflux`` preset at 384p (48x80 latents), 16 latent frames, temporal
-  pyramid, bf16 — step time, tokens/s and MFU.
+* ``--recipe NAME``: a shipped recipe as users run it (its batch, accumulation, pyramid, checkpointing,
+  FSDP, optimizer, EMA), the cache in the shapes of its first bucket and ``max_units`` frames, the DiT
+  from ``model.path`` or, when it has none, the ``miniflux`` preset with random weights on CUDA
+  (``tiny`` on the CPU). Scaled to the GPUs there are: one process per GPU (the script starts itself
+  under ``torchrun``), the sync group cut to a divisor of the world size. ``--set KEY=VALUE`` overrides
+  the recipe (e.g. ``--set model.dit_preset=tiny`` for a CPU smoke run). A checkpoint is written after
+  the timed steps (timed on its own, not in the step times).
+* without ``--recipe``: the built-in setting — CPU: the ``tiny`` preset on 8x8 latents, 4 latent frames;
+  CUDA: the real-size ``miniflux`` preset at 384p (48x80 latents), 16 latent frames, bf16.
 
-FLOPs are counted analytically per forward from the inputs the step really built (the
-assignment records): every linear layer of the double and single blocks (12·D² MACs per token
-and block, image and text tokens), attention scores and values (2·S²·D MACs per column sample
-and block, S = text + image tokens of the column, the mask does not save work in SDPA), the
-modulation and the in/out projections; training = 3 x forward (no recomputation counted).
+What it prints (per process, the slowest / the mean over processes):
 
-Where the host time goes: the host time of a step (until ``train_step`` returns), the part of it
-spent loading batches (prefetched: overlapping the GPU's backward) and, on CUDA, the number of calls
-in one step that make the host wait for the GPU (counted with ``torch.cuda.set_sync_debug_mode``).
+* steady step time: the median of the timed steps (after ``--warmup``), synchronised with the GPU;
+* image tokens/s per GPU and MFU = 6·N·image tokens / step time / peak (N = DiT parameters); with
+  activation checkpointing the recomputed forwards (2·N_checkpointed·tokens) are counted separately,
+  as a hardware utilisation beside the MFU; the analytic model FLOPs (attention and text tokens
+  included) as before;
+* host fraction: the host time of a step (until ``train_step`` returns) over its synchronised time,
+  and the part of it spent loading batches;
+* peak memory (CUDA: allocated; CPU: the process's peak RSS);
+* time to steady state: from the first step's start to the end of the first step at which the median
+  of the last 5 step times is within 10% of the final median (compilation and recording included).
 
-    python benchmarks/bench_train.py                       # CPU tiny
-    python benchmarks/bench_train.py --device cuda         # H200: miniFLUX 384p, 16 frames
+    python benchmarks/bench_train.py                                    # CPU tiny
+    python benchmarks/bench_train.py --device cuda                      # H200: miniFLUX 384p, 16 frames
+    python benchmarks/bench_train.py --recipe pyramid-flux-768p-8gpu    # the recipe, on every GPU here
+    python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --device cpu \\
+        --set model.dit_preset=tiny --frames 2 --height 8 --width 8     # CPU smoke run
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 PEAK_BF16 = {"H200": 790e12, "H100": 989.5e12, "A100": 312e12}
 """Dense bf16 matrix-product rates: the H200 figure is the one measured on the benchmark machine
 (a large bf16 matmul), not the datasheet 989.5 TFLOP/s."""
+STEADY_WINDOW, STEADY_WITHIN = 5, 0.10
 
 
 def dit_flops_per_forward(cfg: dict, records: list[dict], text_len: int) -> float:
@@ -70,23 +88,63 @@ def counting_syncs(step: Callable[[], Any]) -> tuple[Any, int]:
     return result, sum("synchronizing" in str(w.message) for w in caught)
 
 
-def main() -> None:
+def time_to_steady(times: list[float]) -> tuple[int, float]:
+    """(1-based step, seconds from the first step's start to its end) of the first step at which the median
+    of the last :data:`STEADY_WINDOW` step times is within :data:`STEADY_WITHIN` of the final median (the
+    median of the last half of the steps)."""
+    final = statistics.median(times[len(times) // 2 :])
+    for i in range(len(times)):
+        window = times[max(0, i + 1 - STEADY_WINDOW) : i + 1]
+        if abs(statistics.median(window) - final) <= STEADY_WITHIN * final:
+            return i + 1, sum(times[: i + 1])
+    return len(times), sum(times)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument(
+        "--recipe", default=None, help="a shipped recipe (or a recipe file) to run as users do"
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override (repeatable), applied after the recipe and the options below",
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=None,
+        help="processes (one per GPU); default: every visible GPU with --recipe, else 1",
+    )
+    parser.add_argument(
+        "--workdir",
+        default=None,
+        help="the cache and run folder every process shares (default: a temporary one; "
+        "needed when this script is started by a launcher)",
+    )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--preset", default=None, help="DiT preset (default: miniflux on CUDA, tiny on CPU)")
-    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--frames", type=int, default=None, help="latent frames per clip (M)")
-    parser.add_argument("--height", type=int, default=None)
-    parser.add_argument("--width", type=int, default=None)
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--height", type=int, default=None, help="latent height")
+    parser.add_argument("--width", type=int, default=None, help="latent width")
+    parser.add_argument(
+        "--batch", type=int, default=None, help="train.batch_size (default: 4 / the recipe's)"
+    )
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--profile", action="store_true", help="print the top ops of one profiled step")
     parser.add_argument(
-        "--attention", default="efficient", choices=["auto", "efficient", "cudnn"], help="train.attention"
+        "--attention",
+        default=None,
+        choices=["auto", "efficient", "cudnn"],
+        help="train.attention (default: efficient / the recipe's)",
     )
     parser.add_argument("--compile", action="store_true", help="train.compile (compiled DiT blocks)")
     parser.add_argument(
@@ -95,142 +153,294 @@ def main() -> None:
         help="train.cuda_graphs (compiled blocks as CUDA graphs; with --compile)",
     )
     parser.add_argument("--skip-future-keys", action="store_true", help="train.skip_future_keys")
-    args = parser.parse_args()
+    return parser.parse_args(argv)  # fmt: skip
 
+
+def is_cuda(args: argparse.Namespace) -> bool:
     import torch
 
-    from pfctl.config import load_config
-    from pfctl.data.dataset import write_synthetic_cache
-    from pfctl.models.registry import preset_config
-    from pfctl.training.plan import column_tokens
-    from pfctl.training.trainer import Trainer
+    return args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
 
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    preset = args.preset or ("miniflux" if cuda else "tiny")
-    frames = args.frames or (16 if cuda else 4)
-    height, width = args.height or (48 if cuda else 8), args.width or (80 if cuda else 8)
+
+@dataclass
+class Setting:
+    """What the run trains, for the report."""
+
+    cuda: bool
+    frames: int
+    height: int
+    width: int
+    text_len: int
+    steps: int
+    warmup: int
+
+
+def plan_setting(args: argparse.Namespace, world: int) -> tuple[Any, Setting]:
+    """The config to train (recipe or built-in, the options, ``--set``) and the synthetic cache's shapes."""
+    from pfctl.config import load_config
+
+    cuda, work = is_cuda(args), Path(args.workdir)
+    recipe = load_config(args.recipe, args.overrides) if args.recipe else None
+    preset = args.preset
+    if recipe is None or (recipe.model.path is None and recipe.model.dit_preset is None):
+        preset = preset or ("miniflux" if cuda else "tiny")
+    if recipe is not None:  # the first bucket (width x height pixels, 8x VAE) and the recipe's M
+        (bucket_w, bucket_h), frames = recipe.encode.buckets[0], recipe.train.max_units
+        height, width, frames = (
+            args.height or bucket_h // 8,
+            args.width or bucket_w // 8,
+            args.frames or frames,
+        )
+    else:
+        frames = args.frames or (16 if cuda else 4)
+        height, width = args.height or (48 if cuda else 8), args.width or (80 if cuda else 8)
     # CUDA graphs: every new shape is recorded at its second occurrence, and the pyramid's shapes cycle
     steps = args.steps or (10 if cuda else 20)
     warmup = args.warmup if args.warmup is not None else (12 if args.cuda_graphs else 3)
-    cfg = preset_config(preset)
-    text_len = 128 if cuda else 8
+    flags = {
+        "runtime.device": "cuda" if cuda else "cpu",
+        "runtime.mixed_precision": None if cuda else "no",  # the CPU runs fp32 (its eager path)
+        "model.dit_preset": preset,
+        "train.cache": str(work / "cache"),
+        "train.output_dir": str(work / "out"),
+        "train.max_steps": steps + warmup + 1,
+        "train.max_units": frames,
+        "train.batch_size": args.batch or (None if recipe else 4),
+        "train.warmup_steps": None if recipe else 1,
+        "train.checkpoint_every": 10**6,
+        "train.log_assignments": False,
+        "train.export": False,
+        "train.gradient_checkpointing": args.gradient_checkpointing or None,
+        "train.attention": args.attention or (None if recipe else "efficient"),
+        "train.compile": args.compile or None,
+        "train.cuda_graphs": args.cuda_graphs or None,
+        "train.skip_future_keys": args.skip_future_keys or None,
+    }
+    if recipe is not None:  # sync groups of a divisor of this world size
+        flags["train.video_sync_group"] = math.gcd(recipe.train.video_sync_group, world)
+    overrides = [f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None]
+    overrides.append("train.skip_loss_above=null")  # random weights: every update is applied (and timed)
+    config = load_config(args.recipe, [*overrides, *args.overrides])
+    return config, Setting(cuda, frames, height, width, 128 if cuda else 8, steps, warmup)
 
-    with tempfile.TemporaryDirectory(prefix="pfctl-bench-") as tmp:
-        cache = Path(tmp) / "cache"
-        write_synthetic_cache(
-            str(cache), [frames] * max(args.batch * 2, 8), height=height, width=width, text_len=text_len,
-            text_dim=cfg["joint_attention_dim"], pooled_dim=cfg["pooled_projection_dim"],
-        )  # fmt: skip
-        overrides = {
-            "runtime.device": "cuda" if cuda else "cpu",
-            "model.dit_preset": preset,
-            "train.cache": str(cache),
-            "train.output_dir": str(Path(tmp) / "out"),
-            "train.max_steps": steps + warmup + 1,
-            "train.batch_size": args.batch,
-            "train.max_units": frames,
-            "train.warmup_steps": 1,
-            "train.log_assignments": False,
-            "train.export": False,
-            "train.gradient_checkpointing": args.gradient_checkpointing,
-            "train.attention": args.attention,
-            "train.compile": args.compile,
-            "train.cuda_graphs": args.cuda_graphs,
-            "train.skip_future_keys": args.skip_future_keys,
-        }
-        config = load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
-        trainer = Trainer(config)
-        trainer.setup()
-        records: list[dict] = []
-        trainer.write_assignment = records.append  # keep the per-forward records in memory
-        load_s: list[float] = []  # host time of the batch loads of the current step
-        next_batch = trainer.loader.next_batch
 
-        def timed_next_batch(step: int) -> Any:
-            t = time.perf_counter()
-            try:
-                return next_batch(step)
-            finally:
-                load_s.append(time.perf_counter() - t)
+def dit_dims(config: Any) -> dict[str, Any]:
+    """The DiT's configuration (a preset's, or the model folder's)."""
+    if config.model.dit_preset is not None:
+        from pfctl.models.registry import preset_config
 
-        trainer.loader.next_batch = timed_next_batch
-        params = sum(p.numel() for p in trainer.unwrapped.parameters())
-        times, host, loads, tokens, flops = [], [], [], [], []
-        syncs = None
-        for i in range(steps + warmup):
-            records.clear()
-            load_s.clear()
-            if cuda:
-                torch.cuda.synchronize()
-            tic = time.perf_counter()
-            if cuda and i == warmup - 1:  # the last warm-up step counts the host's waits for the GPU
-                metrics, syncs = counting_syncs(trainer.train_step)
-            else:
-                metrics = trainer.train_step()
-            returned = time.perf_counter() - tic
-            if cuda:
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - tic
-            for rec in records:
-                f, h, w = rec["bucket"]
-                rec["column_tokens"] = [
-                    column_tokens(
-                        c["stage"], None if rec["units"] is None else rec["units"][c["stage"]], f, h, w
-                    )
-                    for c in rec["columns"]
-                ]
-            if i >= warmup:
-                times.append(elapsed)
-                host.append(returned)
-                loads.append(sum(load_s))
-                tokens.append(sum(r["tokens"] for r in records))
-                flops.append(3 * dit_flops_per_forward(cfg, records, text_len))
-        if args.profile:
-            from torch.profiler import ProfilerActivity, profile
+        return {**preset_config(config.model.dit_preset), **config.model.dit_config}
+    from pfctl.training.build import build_model
 
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-            with profile(activities=activities) as prof:
-                trainer.train_step()
-                if cuda:
-                    torch.cuda.synchronize()
-            key = "cuda_time_total" if cuda else "cpu_time_total"
-            print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
-        peak_mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-        device_name = torch.cuda.get_device_name() if cuda else "cpu"
-        trainer.close()
+    return dict(build_model(config)[1].config)
 
-    step_s = statistics.median(times)
-    mean_s = sum(times) / len(times)
-    tok_s = sum(tokens) / sum(times)
-    tflops = sum(flops) / sum(times) / 1e12
-    peak = next((v for k, v in PEAK_BF16.items() if k in device_name), None) if cuda else None
-    rows = [
-        ("device", device_name),
-        ("preset / params", f"{preset} / {params / 1e6:.1f} M"),
-        ("latents (T x H x W)", f"{frames} x {height} x {width}"),
-        ("batch per step", f"{args.batch} clips, columns [0,1,1,2], temporal pyramid"),
-        ("precision", "bf16 autocast, fp32 master weights" if cuda else "fp32"),
-        ("gradient checkpointing", str(args.gradient_checkpointing)),
-        ("attention", args.attention),
-        ("compiled blocks", "yes" if args.compile else "no"),
-        ("skip future keys", "yes" if args.skip_future_keys else "no"),
-        ("steps timed (warmup)", f"{steps} ({warmup})"),
-        ("step time median / mean", f"{step_s * 1e3:.1f} ms / {mean_s * 1e3:.1f} ms"),
-        ("steps/s", f"{1 / mean_s:.2f}"),
+
+def write_cache(config: Any, setting: Setting) -> None:
+    """The synthetic cache in the setting's shapes for the config's DiT."""
+    from pfctl.data.dataset import write_synthetic_cache
+
+    dims = dit_dims(config)
+    write_synthetic_cache(
+        config.train.cache, [setting.frames] * max(config.train.batch_size * 2, 8), height=setting.height,
+        width=setting.width, text_len=setting.text_len, text_dim=dims["joint_attention_dim"],
+        pooled_dim=dims["pooled_projection_dim"],
+    )  # fmt: skip
+
+
+@dataclass
+class Timings:
+    """Per step of this process: synchronised time, host time, batch loading, image tokens, FLOPs."""
+
+    step: list[float] = field(default_factory=list)
+    host: list[float] = field(default_factory=list)
+    load: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    analytic: list[float] = field(default_factory=list)
+    syncs: int | None = None
+    metrics: dict = field(default_factory=dict)
+
+
+def run_steps(trainer: Any, setting: Setting, dims: dict) -> Timings:
+    """The training loop's body (step, loss, logging) ``warmup + steps`` times, each step timed."""
+    import torch
+
+    from pfctl.training.plan import column_tokens
+
+    records: list[dict] = []
+    trainer.write_assignment = records.append  # keep the per-forward records in memory
+    load_s: list[float] = []  # host time of the batch loads of the current step
+    next_batch = trainer.loader.next_batch
+
+    def timed_next_batch(step: int) -> Any:
+        t = time.perf_counter()
+        try:
+            return next_batch(step)
+        finally:
+            load_s.append(time.perf_counter() - t)
+
+    trainer.loader.next_batch = timed_next_batch
+    out, cuda = Timings(), setting.cuda
+    for i in range(setting.steps + setting.warmup):
+        records.clear()
+        load_s.clear()
+        if cuda:
+            torch.cuda.synchronize()
+        tic = time.perf_counter()
+        if cuda and i == setting.warmup - 1:  # the last warm-up step counts the host's waits for the GPU
+            metrics, out.syncs = counting_syncs(trainer.train_step)
+        else:
+            metrics = trainer.train_step()
+        trainer.losses.append(metrics["loss"])
+        if trainer.step % trainer.cfg.log_every == 0:
+            trainer.logs.metrics(trainer.step, metrics)
+        returned = time.perf_counter() - tic
+        if cuda:
+            torch.cuda.synchronize()
+        out.step.append(time.perf_counter() - tic)
+        out.host.append(returned)
+        out.load.append(sum(load_s))
+        out.tokens.append(sum(r["tokens"] for r in records))
+        for rec in records:
+            f, h, w = rec["bucket"]
+            units = rec["units"]
+            rec["column_tokens"] = [
+                column_tokens(c["stage"], None if units is None else units[c["stage"]], f, h, w)
+                for c in rec["columns"]
+            ]
+        out.analytic.append(3 * dit_flops_per_forward(dims, records, setting.text_len))
+        out.metrics = metrics
+    return out
+
+
+def across_processes(values: list[float], op: str) -> list[float]:
+    """``values`` reduced over every process (``max`` or ``mean``); as they are in a lone process."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    t = t if op == "max" else t / dist.get_world_size()
+    return t.tolist()
+
+
+def parameter_counts(trainer: Any) -> tuple[int, int]:
+    """(DiT parameters N, those of the blocks activation checkpointing recomputes)."""
+    model = trainer.unwrapped
+    total = sum(p.numel() for p in model.parameters())
+    if not trainer.cfg.gradient_checkpointing:
+        return total, 0
+    prefixes = tuple(f"{name}." for name in model.checkpointed_block_names())
+    return total, sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefixes))
+
+
+def profile_step(trainer: Any, cuda: bool) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        trainer.train_step()
+        if cuda:
+            torch.cuda.synchronize()
+    key = "cuda_time_total" if cuda else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+
+
+def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tuple[str, str]]:
+    """Set the trainer up, run and time the steps and one checkpoint; the report's rows (every process)."""
+    import resource
+
+    import torch
+
+    from pfctl.training.trainer import Trainer
+
+    trainer = Trainer(config)
+    trainer.setup()
+    dims = dit_dims(config)
+    params, recomputed = parameter_counts(trainer)
+    t = run_steps(trainer, setting, dims)
+    if setting.cuda:
+        torch.cuda.synchronize()
+    tic = time.perf_counter()
+    trainer.save_checkpoint()
+    checkpoint_s = time.perf_counter() - tic
+    if args.profile:
+        profile_step(trainer, setting.cuda)
+    if setting.cuda:
+        peak = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    device_name = torch.cuda.get_device_name() if setting.cuda else "cpu"
+    world = trainer.runtime.world_size
+    trainer.close()
+
+    n = len(t.step)
+    step_max = across_processes(t.step, "max")
+    host_max = across_processes(t.host, "max")
+    load_max = across_processes(t.load, "max")
+    tokens = across_processes([float(x) for x in t.tokens], "mean")
+    analytic = across_processes(t.analytic, "mean")
+    peak = across_processes([peak], "max")[0]
+    timed = range(setting.warmup, n)
+    step_s = statistics.median(step_max[i] for i in timed)
+    seconds = sum(step_max[i] for i in timed)
+    tok_s = sum(tokens[i] for i in timed) / seconds
+    steady_step, steady_s = time_to_steady(step_max)
+    rate = next((v for k, v in PEAK_BF16.items() if k in device_name), None) if setting.cuda else None
+
+    def util(flops_per_token: float) -> str:
+        achieved = flops_per_token * tok_s
+        return (
+            f"{achieved / rate:.1%} of {rate / 1e12:.0f} TFLOP/s bf16 dense"
+            if rate
+            else f"n/a ({achieved / 1e12:.3g} TFLOP/s, no peak rate known)"
+        )
+
+    cfg = trainer.cfg
+    return [
+        ("device", f"{device_name} x {world}"),
+        ("recipe", args.recipe or "(built-in)"),
+        ("overrides", " ".join(args.overrides) or "-"),
+        ("model / params", f"{config.model.dit_preset or config.model.path} / {params / 1e6:.1f} M"),
+        ("latents (T x H x W)", f"{setting.frames} x {setting.height} x {setting.width}"),
+        ("batch per rank", f"{cfg.batch_size} clips x {cfg.grad_accum} micro-steps, sync group {cfg.video_sync_group}"),
+        ("precision", trainer.runtime.mixed_precision),
+        ("fsdp / gradient checkpointing", f"{cfg.fsdp} / {cfg.gradient_checkpointing_ratio if cfg.gradient_checkpointing else 'off'}"),
+        ("attention / compile / cuda graphs", f"{cfg.attention} / {cfg.compile} / {cfg.cuda_graphs}"),
+        ("steps timed (warmup)", f"{setting.steps} ({setting.warmup})"),
+        ("steady step time (median)", f"{step_s * 1e3:.1f} ms"),
+        ("time to steady state", f"{steady_s:.1f} s (step {steady_step}: median of {STEADY_WINDOW} within {STEADY_WITHIN:.0%})"),
+        ("image tokens / step / GPU", f"{statistics.mean(tokens[i] for i in timed):.0f}"),
+        ("image tokens/s per GPU", f"{tok_s:,.0f}"),
+        ("MFU (6·N·image tokens)", util(6 * params)),
+        ("with recomputation (+2·N_ckpt·tokens)", util(6 * params + 2 * recomputed) if recomputed else "no recomputation"),
+        ("analytic model TFLOP/s per GPU (attention, text)", f"{sum(analytic[i] for i in timed) / seconds / 1e12:.3g}"),
         # on CUDA train_step returns once the optimizer update is queued (the GPU may still run it)
-        ("host time / step (train_step call)", f"{statistics.median(host) * 1e3:.1f} ms"),
-        ("batch loading / step (host)", f"{statistics.median(loads) * 1e3:.1f} ms"),
-        (
-            "blocking host syncs / step",
-            "n/a (counted on CUDA, in a warm-up step)" if syncs is None else str(syncs),
-        ),
-        ("image tokens / step", f"{statistics.mean(tokens):.0f}"),
-        ("tokens/s", f"{tok_s:,.0f}"),
-        ("model TFLOP/s (analytic)", f"{tflops:.1f}"),
-        ("MFU", f"{tflops * 1e12 / peak:.1%} of {peak / 1e12:.0f} TFLOP/s bf16 dense" if peak else "n/a"),
-        ("peak GPU memory", f"{peak_mem:.1f} GiB" if cuda else "n/a"),
-        ("last loss", f"{metrics['loss']:.4f}"),
-    ]
+        ("host fraction of the step", f"{statistics.median(host_max[i] / step_max[i] for i in timed):.0%}"),
+        ("batch loading / step (host)", f"{statistics.median(load_max[i] for i in timed) * 1e3:.1f} ms"),
+        ("blocking host syncs / step", "n/a (counted on CUDA, in a warm-up step)" if t.syncs is None else str(t.syncs)),
+        ("peak memory", f"{peak:.2f} GiB " + ("allocated" if setting.cuda else "RSS")),
+        ("checkpoint save (not timed above)", f"{checkpoint_s:.2f} s"),
+        ("last loss", f"{t.metrics['loss']:.4f}"),
+    ]  # fmt: skip
+
+
+def run_here(args: argparse.Namespace) -> None:
+    """This process's part: plan, (a lone process: write the cache,) measure, print on the main process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    config, setting = plan_setting(args, world)
+    if not Path(config.train.cache).is_dir():
+        if world > 1:
+            raise SystemExit(
+                "under a launcher, pass --workdir with a cache this script wrote (or start it plainly)"
+            )
+        write_cache(config, setting)
+    rows = measure(config, setting, args)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
     if args.json:
         Path(args.json).write_text(json.dumps(dict(rows), indent=2))
     width_k = max(len(k) for k, _ in rows)
@@ -240,5 +450,28 @@ def main() -> None:
         print(f"{key:<{width_k}}  {value}")
 
 
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.workdir is not None or "LOCAL_RANK" in os.environ:
+        if args.workdir is None:
+            raise SystemExit("under a launcher, pass --workdir (a folder every process shares)")
+        run_here(args)
+        return 0
+    import torch
+
+    nproc = args.processes or (torch.cuda.device_count() if is_cuda(args) and args.recipe else 1)
+    with tempfile.TemporaryDirectory(prefix="pfctl-bench-") as tmp:
+        args.workdir = tmp
+        if nproc <= 1:
+            run_here(args)
+            return 0
+        config, setting = plan_setting(args, nproc)
+        write_cache(config, setting)  # once, for every process
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        return subprocess.call(
+            [*cmd, __file__, *(argv if argv is not None else sys.argv[1:]), "--workdir", tmp]
+        )
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -166,8 +166,15 @@ class TrainConfig(Section):
     gradient_checkpointing_ratio: float = Field(default=0.75, ge=0.0, le=1.0)
     """Share of DiT blocks recomputed in backward, counted from the input side."""
     fsdp: Literal["none", "shard_grad_op", "full_shard"] = "none"
-    """FSDP through accelerate: shard_grad_op = ZeRO-2, full_shard = ZeRO-3."""
+    """Shard the DiT over every process with FSDP2, each transformer block a unit: ``shard_grad_op``
+    (ZeRO-2: parameters, gradients and optimizer state sharded, a block's gathered weights kept from its
+    forward to its backward) or ``full_shard`` (ZeRO-3: gathered again for the backward; least memory);
+    ``none``: a whole copy per process (data parallel). Under bf16 mixed precision the blocks compute
+    from bf16 gathers and reduce gradients in fp32. Works on the CPU (gloo) too. Checkpoints hold whole
+    weights."""
     fsdp_cpu_offload: bool = False
+    """With ``fsdp`` on CUDA: keep the parameter shards, gradients and optimizer state in host memory (the
+    optimizer steps there). Nothing to offload on the CPU."""
     attention: Literal["auto", "efficient", "cudnn"] = "efficient"
     """The kernel of the DiT's masked attention: ``efficient`` (default) the memory-efficient one;
     ``cudnn`` cuDNN's, which builds a plan per shape: the pyramid's shapes change every step, so in
@@ -276,6 +283,11 @@ def check_train_constraints(train: TrainConfig, world_size: int) -> SyncGroupPla
             "train.base_dtype=bf16 needs train.lora.enabled=true: only a LoRA run has frozen base weights "
             "(full fine-tuning keeps fp32 master weights)",
             hint="--set train.lora.enabled=true, or keep train.base_dtype=fp32",
+        )
+    if train.fsdp_cpu_offload and train.fsdp == "none":
+        raise ConfigError(
+            "train.fsdp_cpu_offload=true needs train.fsdp (it offloads the shards)",
+            hint="set train.fsdp=shard_grad_op or full_shard, or train.fsdp_cpu_offload=false",
         )
     if train.lora.enabled and train.fsdp != "none":
         raise ConfigError(

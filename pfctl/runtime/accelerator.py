@@ -99,7 +99,6 @@ def build_runtime(
     gradient_accumulation_steps: int = 1,
     project_dir: str | None = None,
     log_with: str | list[str] | None = None,
-    fsdp_plugin: Any = None,
 ) -> Runtime:
     """Create the accelerator, seed, configure logging and create the sync groups.
 
@@ -132,8 +131,6 @@ def build_runtime(
         )
     if log_with:
         kwargs["log_with"] = log_with
-    if fsdp_plugin is not None:
-        kwargs["fsdp_plugin"] = fsdp_plugin
     accelerator = Accelerator(**kwargs)
     pflog.configure(accelerator.is_main_process, accelerator.process_index, config.log_format)
     # The plan used the launcher's WORLD_SIZE; accelerate must agree with it.

@@ -1,9 +1,9 @@
-"""Building what the trainer trains: the DiT (from a preset or a model folder), the FSDP plugin and the
-sharding-aware optimizer state.
+"""Building what the trainer trains: the DiT (from a preset or a model folder), its sharding (FSDP2) and
+the sharding-aware optimizer state.
 
 The trainer's setup goes model build (:func:`build_model`) → trained weights (full or LoRA:
 :mod:`pfctl.training.weights`) → resume weights → speed layer (activation checkpointing, compile,
-sharding) → optimizer; this module holds the first step and the sharding plugin.
+sharding) → optimizer; this module holds the first step and the sharding.
 """
 
 from __future__ import annotations
@@ -73,58 +73,69 @@ def build_model(config: Any) -> tuple[str, torch.nn.Module, str | None, dict[str
     return parts.model_name or m.name, parts.dit, base, info
 
 
-def build_fsdp_plugin(cfg: TrainConfig, model_name: str) -> Any:
-    """accelerate's FSDP plugin for ``train.fsdp`` (None for ``none``).
+def shard_dit(model: torch.nn.Module, cfg: TrainConfig, runtime: Any) -> torch.nn.Module:
+    """``train.fsdp`` (``shard_grad_op`` = ZeRO-2, ``full_shard`` = ZeRO-3): FSDP2 over every process, each
+    transformer block a unit, the root the rest (:func:`pfctl.runtime.sharding.shard_model`). Under bf16
+    mixed precision (the CUDA default) the blocks compute from bf16 gathers and reduce gradients in fp32;
+    otherwise in fp32."""
+    from pfctl.runtime import logging as pflog
+    from pfctl.runtime.sharding import shard_model
 
-    Blocks of the DiT are the wrap units (the model class lists them in ``_no_split_modules``),
-    prefetching BACKWARD_PRE, full state dict for checkpoints — the reference's setup.
-    """
-    if cfg.fsdp == "none":
-        return None
-    if not torch.cuda.is_available():
-        raise ConfigError(
-            f"train.fsdp={cfg.fsdp} needs CUDA devices (accelerate's FSDP does not run on the CPU)",
-            hint="use train.fsdp=none on the CPU",
-        )
-    from accelerate import FullyShardedDataParallelPlugin
-
-    from pfctl.models.checkpoint import MODEL_NAME_TO_CLASS, dit_class
-
-    blocks = list(getattr(dit_class(MODEL_NAME_TO_CLASS[model_name]), "_no_split_modules", None) or [])
-    if not blocks:
-        raise ConfigError(f"the {model_name} DiT declares no block classes to wrap with FSDP")
-    return FullyShardedDataParallelPlugin(
-        fsdp_version=1,
-        sharding_strategy="SHARD_GRAD_OP" if cfg.fsdp == "shard_grad_op" else "FULL_SHARD",
-        backward_prefetch="BACKWARD_PRE",
-        auto_wrap_policy="transformer_based_wrap",
-        transformer_cls_names_to_wrap=blocks,
-        state_dict_type="FULL_STATE_DICT",
-        cpu_offload=cfg.fsdp_cpu_offload,
-        use_orig_params=True,
-        sync_module_states=True,
-    )
+    cuda = runtime.device.type == "cuda"
+    if cfg.fsdp_cpu_offload and not cuda:
+        pflog.log("train.fsdp_cpu_offload is ignored on the CPU (the shards are in host memory already)")
+    return shard_model(
+        model, [block for _, block in model.blocks_in_order()], strategy=cfg.fsdp,
+        param_dtype=torch.bfloat16 if runtime.mixed_precision == "bf16" else None,
+        cpu_offload=cfg.fsdp_cpu_offload and cuda, device=runtime.device,
+    )  # fmt: skip
 
 
 def optimizer_state(model: torch.nn.Module, optimizer: Any, *, sharded: bool) -> dict[str, Any]:
-    """The full optimizer state a checkpoint holds (``sharded``, under FSDP: gathered by name on the
-    main process; collective)."""
+    """The whole optimizer state a checkpoint holds (``sharded``: keyed by parameter name, gathered on the
+    main process; a collective)."""
     if sharded:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from pfctl.runtime.sharding import full_optimizer_state
 
-        return FSDP.optim_state_dict(model, optimizer.optimizer)
+        return full_optimizer_state(model, optimizer.optimizer)
     return optimizer.state_dict()
 
 
 def load_optimizer_state(
     model: torch.nn.Module, optimizer: Any, state: dict[str, Any], *, sharded: bool
 ) -> None:
-    """Load a checkpoint's full optimizer state (``sharded``: the name-keyed state → this rank's shards)."""
-    if sharded:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    """Load a checkpoint's whole optimizer state (``sharded``: the name-keyed state → this rank's shards).
 
-        state = FSDP.optim_state_dict_to_load(model, optimizer.optimizer, state)
+    A checkpoint of the other kind (keyed by index vs by name) is converted by the optimizer's parameter
+    order, so a run may be resumed with another ``train.fsdp``."""
+    names = _parameter_names(model, optimizer)
+    keyed_by_name = any(isinstance(k, str) for k in state["state"]) or any(
+        isinstance(p, str) for g in state["param_groups"] for p in g["params"]
+    )
+    if sharded:
+        from pfctl.runtime.sharding import load_full_optimizer_state
+
+        if not keyed_by_name:
+            state = _rekey(state, lambda i: names[i])
+        load_full_optimizer_state(model, optimizer.optimizer, state)
+        return
+    if keyed_by_name:
+        index = {name: i for i, name in enumerate(names)}
+        state = _rekey(state, index.__getitem__)
     optimizer.load_state_dict(state)
+
+
+def _parameter_names(model: torch.nn.Module, optimizer: Any) -> list[str]:
+    """The names of the optimizer's parameters, in its order (the indices of ``state_dict()``)."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def _rekey(state: dict[str, Any], key: Any) -> dict[str, Any]:
+    return {
+        "state": {key(k): v for k, v in state["state"].items()},
+        "param_groups": [{**g, "params": [key(p) for p in g["params"]]} for g in state["param_groups"]],
+    }
 
 
 def check_lora_runtime(cfg: TrainConfig, mixed_precision: str) -> None:

@@ -44,10 +44,10 @@ from pfctl.flow.pyramid import (
     pyramid_latents,
 )
 from pfctl.flow.scheduler import PyramidFlowScheduler
-from pfctl.runtime import faults
+from pfctl.runtime import faults, sharding
 from pfctl.runtime import logging as pflog
 from pfctl.training import checkpoint as ckpt
-from pfctl.training.build import build_fsdp_plugin, build_model, load_optimizer_state, optimizer_state
+from pfctl.training.build import build_model, load_optimizer_state, optimizer_state, shard_dit
 from pfctl.training.data import (
     TEXT_KEYS,
     BatchFeed,
@@ -179,7 +179,10 @@ class Trainer:
         # every rank takes the same decision from the same (all-reduced) numbers
         stats = acc.reduce(stats, reduction="sum")
         max_norm = cfg.grad_clip if cfg.grad_clip is not None else float("inf")
-        norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
+        if self.sharded:  # the norm of the whole model from the shards' gradients, on every rank
+            norm = sharding.clip_grad_norm(self.model.parameters(), max_norm)
+        else:
+            norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
         totals = torch.cat([stats, norm.reshape(1).to(stats)]).tolist()  # the step's one wait for the GPU
         mean_loss, grad_norm = totals[0] / world, totals[-1]
         skipped = self.skip_reason(mean_loss, grad_norm, local_bad, step_ids)
@@ -229,7 +232,7 @@ class Trainer:
                 batch.latents = torch.full_like(batch.latents, float("nan"))
             step_ids.extend(batch.ids)
             last = micro == cfg.grad_accum - 1
-            with contextlib.nullcontext() if last else acc.no_sync(self.model):
+            with contextlib.nullcontext() if last else self.no_sync():
                 loss, per_stage, record = self.forward(batch)
                 acc.backward(loss / cfg.grad_accum)
             self.micro_step += 1
@@ -246,6 +249,12 @@ class Trainer:
             stats[-1] += cfg.batch_size
             self.write_assignment(record)
         return stats, local_bad, step_ids
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """A non-final micro-step's backward keeps its gradients local (no all-reduce / reduce-scatter)."""
+        if self.sharded:
+            return sharding.no_gradient_sync(self.model)
+        return self.runtime.accelerator.no_sync(self.model)
 
     def skip_reason(
         self, mean_loss: float, grad_norm: float, local_bad: torch.Tensor, step_ids: list[str]
@@ -395,7 +404,6 @@ class Trainer:
             sync_group_size=cfg.video_sync_group,
             project_dir=str(self.out),
             log_with=list(cfg.trackers) or None,
-            fsdp_plugin=build_fsdp_plugin(cfg, self.config.model.name),
         )
         self.logs = RunLogs(self.out, cfg, self.runtime)
 
@@ -432,15 +440,23 @@ class Trainer:
             self.weights.load(model, self.loaded.model_state, self.resume_from / "model")
         return model
 
+    @property
+    def sharded(self) -> bool:
+        """``train.fsdp`` is on: the DiT's parameters, gradients, optimizer and EMA state are sharded."""
+        return self.cfg.fsdp != "none"
+
     def apply_speed(self, model: torch.nn.Module) -> torch.nn.Module:
         """The speed layer, in torchtitan's order: kernels → activation checkpointing → compile
-        (:func:`apply_fast_paths`) → sharding (accelerate's ``prepare`` with the FSDP plugin the runtime was
-        built with; DDP otherwise)."""
+        (:func:`apply_fast_paths`) → sharding: FSDP2 per block and root (:func:`pfctl.training.build.shard_dit`;
+        accelerate does not wrap the sharded model), or accelerate's ``prepare`` (DDP when there are several
+        processes)."""
         apply_fast_paths(model, self.config, self.runtime.device)
+        if self.sharded:
+            return shard_dit(model, self.cfg, self.runtime)
         return self.runtime.accelerator.prepare(model)
 
     def setup_optimizer(self) -> None:
-        """Optimizer + LR schedule, created on the prepared model's parameters (FSDP needs that)."""
+        """Optimizer + LR schedule, created on the sharded / prepared model's parameters (FSDP needs that)."""
         self.optimizer = self.runtime.accelerator.prepare(build_optimizer(self.model, self.cfg))
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.cfg)
 
@@ -467,9 +483,7 @@ class Trainer:
             self.logs.trim(0)
             return None
         if loaded.optimizer_state is not None:
-            load_optimizer_state(
-                self.model, self.optimizer, loaded.optimizer_state, sharded=self.cfg.fsdp != "none"
-            )
+            load_optimizer_state(self.unwrapped, self.optimizer, loaded.optimizer_state, sharded=self.sharded)
         if loaded.scheduler_state is not None:
             self.restore_schedule(loaded)
         if self.ema is not None:
@@ -552,7 +566,7 @@ class Trainer:
             model=self.unwrapped,
             model_state=model_state,
             ema_state=self.ema.state_dict() if self.ema is not None else None,
-            optimizer_state=optimizer_state(self.model, self.optimizer, sharded=cfg.fsdp != "none"),
+            optimizer_state=optimizer_state(self.unwrapped, self.optimizer, sharded=self.sharded),
             scheduler_state=self.lr_scheduler.state_dict(),
             adapter_config=self.weights.adapter_config(),
         )
@@ -568,10 +582,13 @@ class Trainer:
         LoRA run the adapter folder ``pfctl generate --lora`` loads; with ``train.export_format``
         ``official``/``both`` also ``output_dir/export-official`` (the official layout, from that export)."""
         out = self.out / "export"
-        state = self.trained_state()  # collective under FSDP: every rank gathers
-        if self.runtime.is_main:
+        rt = self.runtime
+        # collectives when sharded: every rank gathers, the main process gets the whole weights
+        state = self.weights.checkpoint_state(self.model, self.unwrapped, rt.accelerator)
+        ema_state = self.ema.state_dict() if self.ema is not None else None
+        if rt.is_main:
             self.weights.export(
-                out, self.unwrapped, state, self.ema.state_dict() if self.ema is not None else None,
+                out, self.unwrapped, state, ema_state,
                 steps=self.step, extra={"cache": cache_path(self.config), **cache_vae_info(self.data.cache)},
             )  # fmt: skip
             if self.cfg.export_format != "pfctl":
@@ -628,7 +645,7 @@ class Trainer:
     def validate(self) -> ValidationSamples | None:
         """Validation samples of this step (:func:`pfctl.training.evaluate.sample_validation`): latents,
         and when the cache names its VAE, the videos and their contact sheet, also sent to the trackers."""
-        dit = self.model if self.cfg.fsdp != "none" else self.unwrapped
+        dit = self.model if self.sharded else self.unwrapped
         self.model.eval()
         samples = sample_validation(self.config, self.runtime, self.data, dit, self.out, self.step)
         self.model.train()

@@ -35,15 +35,16 @@ class FullWeights:
         model.load_state_dict(state, strict=True)
 
     def trained_state(self, model: torch.nn.Module, unwrapped: torch.nn.Module, accelerator: Any) -> dict:
-        """The DiT's weights. Under FSDP, state_dict() on the unwrapped module would lazily initialise the
-        inner FSDP blocks as roots and break the next forward; gather through the root instead (collective:
-        every rank calls this at the same point; the full state lands on the main process, {} elsewhere)."""
-        if self.cfg.fsdp != "none":
-            return accelerator.get_state_dict(model)
+        """The DiT's weights (under FSDP this rank's shards, DTensors: what the EMA averages)."""
         return unwrapped.state_dict()
 
     def checkpoint_state(self, model: torch.nn.Module, unwrapped: torch.nn.Module, accelerator: Any) -> dict:
-        """The full state dict a checkpoint holds (FSDP: gathered)."""
+        """The whole state dict a checkpoint and an export hold (FSDP: gathered onto the main process, {}
+        elsewhere; a collective)."""
+        if self.cfg.fsdp != "none":
+            from pfctl.runtime.sharding import full_state_dict
+
+            return full_state_dict(model)
         return accelerator.get_state_dict(model)
 
     def signature(self) -> dict[str, Any]:
