@@ -11,7 +11,10 @@ Method, chosen to survive H.264 chroma subsampling and the blur of a small model
 3. colour = the palette hue nearest to the saturation-weighted circular mean hue of the
    mask pixels;
 4. direction = sign of the larger component of the centroid's motion, fitted by least
-   squares over the frames where the object is visible (y grows downwards: +y is "down").
+   squares over the frames where the object is visible (y grows downwards: +y is "down");
+5. shape = from the mask's silhouette in its bounding box, median over the visible frames:
+   a triangle (apex up) is much narrower in its top half than in its bottom half, a square
+   fills its box, a circle fills about pi/4 of it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ import numpy as np
 
 from pfctl.demo.shapes import COLORS, DIRECTIONS, parse_caption
 
+TRIANGLE_TAPER = 0.6
+"""Top-half / bottom-half mean width below which a silhouette reads as a triangle (ideal: 1/3)."""
+SQUARE_FILL = 0.89
+"""Share of its bounding box above which a silhouette reads as a square (ideal 1; circle pi/4)."""
+
 
 @dataclass(frozen=True)
 class ClipScore:
@@ -42,6 +50,8 @@ class ClipScore:
     coverage: float
     """Mean fraction of the frame covered by the object mask."""
     visible_frames: int
+    shape: str | None = None
+    """``circle`` / ``square`` / ``triangle`` read from the silhouette; None when undecidable."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,8 @@ class ScoreReport:
     direction_accuracy: float
     both_accuracy: float
     rows: list[dict[str, Any]]
+    shape_accuracy: float = 0.0
+    """Share of the clips whose silhouette reads as the caption's shape."""
 
 
 def rgb_to_hsv(rgb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -109,6 +121,32 @@ def object_masks(frames: np.ndarray, threshold: float = 60.0) -> np.ndarray:
     return distance > threshold
 
 
+def _silhouette(mask: np.ndarray) -> tuple[float, float] | None:
+    """(fill of the bounding box, top-half / bottom-half mean width) of one frame's mask."""
+    rows = np.nonzero(mask.any(axis=1))[0]
+    cols = np.nonzero(mask.any(axis=0))[0]
+    if len(rows) < 4 or len(cols) < 4:
+        return None
+    box = mask[rows[0] : rows[-1] + 1, cols[0] : cols[-1] + 1]
+    widths = box.sum(axis=1).astype(np.float64)
+    half = len(widths) // 2
+    bottom = widths[len(widths) - half :].mean()
+    return float(box.mean()), float(widths[:half].mean() / bottom) if bottom > 0 else 0.0
+
+
+def read_shape(masks: np.ndarray) -> str | None:
+    """The shape of the object in (T, H, W) masks (frames where it touches the border are used
+    only when all do)."""
+    inside = [m for m in masks if not (m[0].any() or m[-1].any() or m[:, 0].any() or m[:, -1].any())]
+    found = [s for s in map(_silhouette, inside or list(masks)) if s is not None]
+    if not found:
+        return None
+    fill, taper = np.median(np.asarray(found), axis=0)
+    if taper < TRIANGLE_TAPER:
+        return "triangle"
+    return "square" if fill > SQUARE_FILL else "circle"
+
+
 def score_frames(
     frames: Any,
     *,
@@ -130,7 +168,7 @@ def score_frames(
     counts = np.bincount(t_idx, minlength=num_frames)
     visible = counts >= min_pixels
     if not visible.any():
-        return ClipScore(None, None, None, (0.0, 0.0), coverage, 0)
+        return ClipScore(None, None, None, (0.0, 0.0), coverage, 0, None)
     safe = np.maximum(counts, 1)
     cx = np.bincount(t_idx, weights=x_idx, minlength=num_frames) / safe
     cy = np.bincount(t_idx, weights=y_idx, minlength=num_frames) / safe
@@ -163,7 +201,7 @@ def score_frames(
                 direction = "right" if dx > 0 else "left"
             else:
                 direction = "down" if dy > 0 else "up"
-    return ClipScore(color, direction, hue, displacement, coverage, len(ts))
+    return ClipScore(color, direction, hue, displacement, coverage, len(ts), read_shape(masks[visible]))
 
 
 def read_frames(path: str | os.PathLike[str]) -> np.ndarray:
@@ -193,7 +231,7 @@ def score_clips(
             result = score_video(source, colors=colors, **kwargs)
         else:
             result = score_frames(source, colors=colors, **kwargs)
-        want_color, _, want_direction = parse_caption(caption)
+        want_color, want_shape, want_direction = parse_caption(caption)
         rows.append(
             {
                 "caption": caption,
@@ -202,10 +240,13 @@ def score_clips(
                 "expected_direction": want_direction,
                 "color": result.color,
                 "direction": result.direction,
+                "expected_shape": want_shape,
+                "shape": result.shape,
                 "hue": result.hue,
                 "displacement": list(result.displacement),
                 "color_ok": result.color == want_color,
                 "direction_ok": result.direction == want_direction,
+                "shape_ok": result.shape == want_shape,
             }
         )
     n = len(rows)
@@ -214,7 +255,7 @@ def score_clips(
         return sum(r[key] for r in rows) / n if n else 0.0
 
     both = sum(r["color_ok"] and r["direction_ok"] for r in rows) / n if n else 0.0
-    return ScoreReport(n, share("color_ok"), share("direction_ok"), both, rows)
+    return ScoreReport(n, share("color_ok"), share("direction_ok"), both, rows, share("shape_ok"))
 
 
 def score_annotations(annotation_file: str | os.PathLike[str], **kwargs: Any) -> ScoreReport:
@@ -236,6 +277,7 @@ __all__ = [
     "object_masks",
     "palette_hues",
     "read_frames",
+    "read_shape",
     "rgb_to_hsv",
     "score_annotations",
     "score_clips",

@@ -1,14 +1,18 @@
 """The embedded default model (issue #8): shipped files, fingerprints, defaults, accuracy, demo.
 
-The accuracy test is the model's acceptance check: every colour x direction of the prompt set,
-3 seeds each (48 videos), generated with the model's own settings and scored by
-:mod:`pfctl.demo.score` (dominant hue of the moving region, direction of its centroid's motion).
+The accuracy tests are the model's acceptance check, generated with the model's own settings
+(what ``pfctl generate "<prompt>"`` runs) and scored by :mod:`pfctl.demo.score` (dominant hue of
+the moving region, direction of its centroid's motion): every prompt the README runs on the
+embedded model, 10 seeds each; and every colour x direction of the prompt set, 3 seeds each
+(48 videos). Thresholds sit below the figures measured at build time (README) by a margin for
+the fp32 rounding of another CPU flipping a borderline seed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +24,24 @@ from pfctl.errors import ModelLoadError
 from pfctl.models import embedded
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+README = Path(__file__).resolve().parents[2] / "README.md"
+# Measured on the shipped model (README): the README prompt right in colour and direction for 6 of
+# seeds 0-9; the 48 videos 40 colour (83%) and 47 direction (98%) right. Margins: 2 seeds, 4 videos,
+# 3 videos.
+README_SEEDS_RIGHT = 4
+COLOUR_48 = 0.75
+DIRECTION_48 = 0.90
+
+
+def readme_embedded_prompts() -> list[str]:
+    """The prompts the README gives ``pfctl generate`` with no model option (the embedded model)."""
+    prompts = []
+    for line in README.read_text(encoding="utf-8").splitlines():
+        command = line.split("#")[0]
+        match = re.match(r'\s*pfctl generate "([^"]+)"(.*)$', command)
+        if match and not re.search(r"(^|\s)(-m|--model|--lora)\b", match.group(2)):
+            prompts.append(match.group(1))
+    return prompts
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +135,26 @@ def test_model_settings_fill_only_what_the_user_left_unset() -> None:
     assert embedded.apply_generate_defaults(load_config(None), {}).generate.temp == 16
 
 
+def test_the_readme_runs_the_embedded_model_on_a_shapes_prompt() -> None:
+    assert "a red circle moving right" in readme_embedded_prompts()
+
+
+@pytest.mark.slow
+def test_embedded_model_follows_every_readme_prompt(tmp_path: Path) -> None:
+    from pfctl.config.generate import PromptSpec
+    from pfctl.demo.run import evaluate_model
+
+    prompts = readme_embedded_prompts()
+    specs = [
+        PromptSpec(prompt=p, seed=seed, name=f"p{i}") for i, p in enumerate(prompts) for seed in range(10)
+    ]
+    score, _ = evaluate_model(tmp_path / "videos", prompts=specs)
+    for prompt in prompts:
+        rows = [r for r in score.rows if r["caption"] == prompt]
+        right = sum(r["color_ok"] and r["direction_ok"] for r in rows)
+        assert right >= README_SEEDS_RIGHT, f"{prompt!r}: {right} of 10 seeds right: {rows}"
+
+
 @pytest.mark.slow
 def test_embedded_model_draws_the_prompted_colour_and_direction(tmp_path: Path) -> None:
     from pfctl.demo.run import evaluate_model
@@ -121,8 +163,8 @@ def test_embedded_model_draws_the_prompted_colour_and_direction(tmp_path: Path) 
     assert report.width == 64 and report.height == 64
     assert score.num_clips == 48
     (tmp_path / "score.json").write_text(json.dumps(score.rows, indent=1))
-    assert score.color_accuracy >= 0.80, f"colour accuracy {score.color_accuracy:.1%}"
-    assert score.direction_accuracy >= 0.60, f"direction accuracy {score.direction_accuracy:.1%}"
+    assert score.color_accuracy >= COLOUR_48, f"colour accuracy {score.color_accuracy:.1%}"
+    assert score.direction_accuracy >= DIRECTION_48, f"direction accuracy {score.direction_accuracy:.1%}"
 
 
 def _pfctl(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:

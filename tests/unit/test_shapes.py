@@ -65,6 +65,9 @@ def test_captions_match_content_100_percent(dataset):
     bad = [r for r in report.rows if not (r["color_ok"] and r["direction_ok"])]
     assert report.num_clips == NUM_CLIPS
     assert report.color_accuracy == 1.0 and report.direction_accuracy == 1.0, bad
+    assert report.shape_accuracy == 1.0, [
+        (r["caption"], r["shape"]) for r in report.rows if not r["shape_ok"]
+    ]
 
 
 def test_scorer_is_not_limited_to_the_default_palette(dataset):
@@ -106,12 +109,20 @@ def test_score_frames_every_palette_colour_and_direction(color, direction):
     assert result.visible_frames == 17
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_score_frames_reads_the_shape_at_every_size(shape):
+    """The silhouette tells a circle, a square and a triangle apart at every size the data set draws."""
+    for half in (7.7, 9.5, 11.5):
+        clip = ShapeClip("x", "green", shape, "down", "", half, (30.3, 14.0), (0.0, 2.0))
+        assert score_frames(render_clip(clip, (64, 64), 17)).shape == shape, half
+
+
 def test_score_static_and_empty_clips():
     clip = ShapeClip("x", "red", "square", "left", "", 8.0, (32.0, 32.0), (0.0, 0.0))
     static = score_frames(render_clip(clip, (64, 64), 9))
     assert static.color == "red" and static.direction is None
     empty = score_frames(np.full((9, 32, 32, 3), 24, dtype=np.uint8))
-    assert (empty.color, empty.direction, empty.visible_frames) == (None, None, 0)
+    assert (empty.color, empty.direction, empty.visible_frames, empty.shape) == (None, None, 0, None)
 
 
 def test_score_clips_accepts_frames_and_reports_mismatches():
