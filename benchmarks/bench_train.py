@@ -332,7 +332,10 @@ def parameter_counts(trainer: Any) -> tuple[int, int]:
     total = sum(p.numel() for p in model.parameters())
     if not trainer.cfg.gradient_checkpointing:
         return total, 0
-    prefixes = tuple(f"{name}." for name in model.checkpointed_block_names())
+    from pfctl.models.fast import checkpointed_block_names
+
+    names = checkpointed_block_names(model, trainer.cfg.gradient_checkpointing_ratio)
+    prefixes = tuple(f"{name}." for name in names)
     return total, sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefixes))
 
 
