@@ -94,7 +94,12 @@ SD3_LATENT_NORM = LatentNorm(
 
 def normalize_latents(z: Tensor, norm: LatentNorm) -> Tensor:
     """Raw VAE latents (B, C, T, h, w) -> the DiT's latent space: ``(z - shift) * scale`` with the image
-    factors on frame 0 and the video factors after. Returns a new tensor (both parts written into it)."""
+    factors on frame 0 and the video factors after. Returns a new tensor (both parts written into it;
+    concatenated when autograd must see it: ``out=`` ops have no gradient, and the VAE's training
+    backpropagates through this)."""
+    if torch.is_grad_enabled() and z.requires_grad:
+        first = (z[:, :, :1] - norm.image_shift) * norm.image_scale
+        return torch.cat([first, (z[:, :, 1:] - norm.video_shift) * norm.video_scale], dim=2)
     out = torch.empty_like(z, memory_format=torch.contiguous_format)
     torch.sub(z[:, :, :1], norm.image_shift, out=out[:, :, :1]).mul_(norm.image_scale)
     torch.sub(z[:, :, 1:], norm.video_shift, out=out[:, :, 1:]).mul_(norm.video_scale)
@@ -103,6 +108,9 @@ def normalize_latents(z: Tensor, norm: LatentNorm) -> Tensor:
 
 def denormalize_latents(z: Tensor, norm: LatentNorm) -> Tensor:
     """Inverse of :func:`normalize_latents` (``z / scale + shift`` per frame). Returns a new tensor."""
+    if torch.is_grad_enabled() and z.requires_grad:
+        first = z[:, :, :1] / norm.image_scale + norm.image_shift
+        return torch.cat([first, z[:, :, 1:] / norm.video_scale + norm.video_shift], dim=2)
     out = torch.empty_like(z, memory_format=torch.contiguous_format)
     torch.div(z[:, :, :1], norm.image_scale, out=out[:, :, :1]).add_(norm.image_shift)
     torch.div(z[:, :, 1:], norm.video_scale, out=out[:, :, 1:]).add_(norm.video_shift)

@@ -469,6 +469,19 @@ def test_latent_norm_rules() -> None:
     json.dumps(FLUX_LATENT_NORM.to_dict())
 
 
+def test_latent_norm_carries_gradients() -> None:
+    """The VAE's own training backpropagates through the normalisation (``out=`` ops have no gradient)."""
+    z = torch.randn(2, 16, 3, 2, 2)
+    for fn in (normalize_latents, denormalize_latents):
+        leaf = z.clone().requires_grad_(True)
+        y = fn(leaf, FLUX_LATENT_NORM)
+        y.sum().backward()
+        with torch.no_grad():
+            plain = fn(z, FLUX_LATENT_NORM)
+        assert torch.equal(y.detach(), plain)  # the same elementwise arithmetic, element by element
+        assert leaf.grad is not None and (leaf.grad != 0).all()
+
+
 # ---- adapter -------------------------------------------------------------------------------------------
 
 
