@@ -126,71 +126,55 @@ def assemble(
     return out
 
 
-def build_default(
-    work: str | os.PathLike[str],
-    *,
-    out: str | os.PathLike[str] | None = None,
-    vae_from: str | os.PathLike[str] | None = None,
-    vae_steps: int | None = None,
-    vae_device: str = "cpu",
-    dit_steps: int | None = None,
-    nproc: int = 2,
-    num_clips: int = NUM_CLIPS,
-    evaluate: bool = False,
-    fresh: bool = False,
-) -> Path:
-    """Run the stages of the module docstring; returns the assembled model folder."""
-    from pfctl.config.load import read_recipe, resolve_recipe_path
+def _make_data(folder: Path, num_clips: int) -> Path:
+    """Stage 1: render the shapes clips into ``folder`` unless already there; the annotation file."""
     from pfctl.demo.shapes import make_shapes
-    from pfctl.demo.train_vae import VAETrainConfig, train_vae
-    from pfctl.models.embedded import ASSETS_DIR, DEFAULT_VARIANT, EMBEDDED_NAME
-    from pfctl.models.text_encoder import build_tiny_text_encoder_folder
 
-    work = Path(work).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    target = Path(out) if out is not None else ASSETS_DIR / EMBEDDED_NAME
-    recipe_path = resolve_recipe_path(RECIPE)
-    recipe = read_recipe(RECIPE)
-    seconds: dict[str, float] = {}
-    stage = work / "stage"
-
-    t0 = time.perf_counter()
-    annotations = work / "shapes" / "annotations.jsonl"
+    annotations = folder / "annotations.jsonl"
     if not annotations.is_file():
-        _log(f"[1/6] rendering {num_clips} shapes clips into {work / 'shapes'}")
-        make_shapes(work / "shapes", num_clips=num_clips, size=(64, 64), num_frames=17, fps=24, seed=0)
-    seconds["data"] = time.perf_counter() - t0
+        _log(f"[1/6] rendering {num_clips} shapes clips into {folder}")
+        make_shapes(folder, num_clips=num_clips, size=(64, 64), num_frames=17, fps=24, seed=0)
+    return annotations
 
-    t0 = time.perf_counter()
+
+def _vae_stage(
+    stage: Path, vae_from: str | os.PathLike[str] | None, vae_steps: int | None, vae_device: str
+) -> dict[str, Any]:
+    """Stage 2: ``stage/causal_video_vae`` copied from ``vae_from``, kept from an earlier run or
+    trained; returns how it was trained (its ``vae_train_config.json``)."""
+    from pfctl.demo.train_vae import VAETrainConfig, train_vae
+
     vae_cfg = VAETrainConfig(device=vae_device, **({"steps": vae_steps} if vae_steps else {}))
-    vae_record: dict[str, Any] = {}
     if vae_from is not None:
         _log(f"[2/6] using the VAE trained in {vae_from}")
         shutil.rmtree(stage / "causal_video_vae", ignore_errors=True)
         shutil.copytree(Path(vae_from) / "causal_video_vae", stage / "causal_video_vae")
         record = Path(vae_from) / "vae_train_config.json"
-        vae_record = json.loads(record.read_text()) if record.is_file() else {"source": str(vae_from)}
-    elif not (stage / "causal_video_vae" / "config.json").is_file():
+        return json.loads(record.read_text()) if record.is_file() else {"source": str(vae_from)}
+    if not (stage / "causal_video_vae" / "config.json").is_file():
         _log(f"[2/6] training the VAE ({vae_cfg.steps} steps on {vae_device})")
         train_vae(stage, vae_cfg, on_log=lambda r: _log(f"      vae step {r['step']}: {r['psnr']:.1f} dB"))
-        vae_record = json.loads((stage / "vae_train_config.json").read_text())
-    else:
-        vae_record = json.loads((stage / "vae_train_config.json").read_text())
-    seconds["vae"] = time.perf_counter() - t0
+    return json.loads((stage / "vae_train_config.json").read_text())
 
-    _log("[3/6] building the tiny text encoders")
-    build_tiny_text_encoder_folder(stage, seed=TEXT_SEED, vocab_corpus=caption_corpus(), shard_t5=False)
 
-    t0 = time.perf_counter()
-    cache = work / "cache"
+def _encode_stage(recipe_path: Path, stage: Path, annotations: Path, cache: Path) -> None:
+    """Stage 4: ``pfctl encode-latents`` of every clip into ``cache``."""
     sets = [f"model.path={stage}", f"encode.annotations={annotations}", f"encode.output_dir={cache}"]
     cli = [sys.executable, "-m", "pfctl"]
     _log("[4/6] encode-latents")
     _run([*cli, "encode-latents", "--recipe", str(recipe_path), *(a for s in sets for a in ("--set", s))])
-    seconds["encode"] = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    train_dir = work / "train"
+
+def _train_dit_stage(
+    recipe_path: Path,
+    stage: Path,
+    cache: Path,
+    train_dir: Path,
+    dit_steps: int | None,
+    nproc: int,
+    fresh: bool,
+) -> None:
+    """Stage 5: ``torchrun ... pfctl train`` into ``train_dir`` (resumed unless ``fresh``)."""
     if fresh:
         shutil.rmtree(train_dir, ignore_errors=True)
     # resume=latest: a run that was interrupted continues bit-exactly from its last checkpoint
@@ -217,9 +201,17 @@ def build_default(
         ],
         env,
     )
-    seconds["dit"] = time.perf_counter() - t0
 
-    _log(f"[6/6] assembling {target}")
+
+def _training_record(
+    recipe: Mapping[str, Any],
+    num_clips: int,
+    vae_record: Mapping[str, Any],
+    dit_steps: int | None,
+    nproc: int,
+    seconds: Mapping[str, float],
+) -> dict[str, Any]:
+    """The manifest's ``training`` section: how every part was made, stage times, machine."""
     train_section = dict(recipe.get("train") or {})
     if dit_steps:
         train_section["max_steps"] = dit_steps
@@ -247,6 +239,54 @@ def build_default(
         training["torch"] = torch.__version__
     except ImportError:  # pragma: no cover
         pass
+    return training
+
+
+def build_default(
+    work: str | os.PathLike[str],
+    *,
+    out: str | os.PathLike[str] | None = None,
+    vae_from: str | os.PathLike[str] | None = None,
+    vae_steps: int | None = None,
+    vae_device: str = "cpu",
+    dit_steps: int | None = None,
+    nproc: int = 2,
+    num_clips: int = NUM_CLIPS,
+    evaluate: bool = False,
+    fresh: bool = False,
+) -> Path:
+    """Run the stages of the module docstring; returns the assembled model folder."""
+    from pfctl.config.load import read_recipe, resolve_recipe_path
+    from pfctl.models.embedded import ASSETS_DIR, DEFAULT_VARIANT, EMBEDDED_NAME
+    from pfctl.models.text_encoder import build_tiny_text_encoder_folder
+
+    work = Path(work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    target = Path(out) if out is not None else ASSETS_DIR / EMBEDDED_NAME
+    recipe_path = resolve_recipe_path(RECIPE)
+    recipe = read_recipe(RECIPE)
+    seconds: dict[str, float] = {}
+    stage = work / "stage"
+
+    t0 = time.perf_counter()
+    annotations = _make_data(work / "shapes", num_clips)
+    seconds["data"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    vae_record = _vae_stage(stage, vae_from, vae_steps, vae_device)
+    seconds["vae"] = time.perf_counter() - t0
+    _log("[3/6] building the tiny text encoders")
+    build_tiny_text_encoder_folder(stage, seed=TEXT_SEED, vocab_corpus=caption_corpus(), shard_t5=False)
+    t0 = time.perf_counter()
+    cache = work / "cache"
+    _encode_stage(recipe_path, stage, annotations, cache)
+    seconds["encode"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    train_dir = work / "train"
+    _train_dit_stage(recipe_path, stage, cache, train_dir, dit_steps, nproc, fresh)
+    seconds["dit"] = time.perf_counter() - t0
+
+    _log(f"[6/6] assembling {target}")
+    training = _training_record(recipe, num_clips, vae_record, dit_steps, nproc, seconds)
     folder = assemble(
         stage,
         train_dir / "export" / "transformer",
@@ -258,19 +298,24 @@ def build_default(
     )
     total = sum(os.path.getsize(p) for p in folder.rglob("*") if p.is_file())
     _log(f"wrote {folder} ({total / 1e6:.2f} MB); stage times: {training['seconds']}")
-
     if evaluate:
-        from pfctl.demo.run import evaluate_model
-
-        shutil.rmtree(work / "eval", ignore_errors=True)
-        score, _ = evaluate_model(
-            work / "eval",
-            model_path=None if out is None else folder,
-            variant=DEFAULT_VARIANT,
-            generate=None if out is None else dict(recipe.get("generate") or {}),
-        )
-        _log(f"colour accuracy {score.color_accuracy:.1%}, direction accuracy {score.direction_accuracy:.1%}")
+        _evaluate(work / "eval", folder, custom=out is not None, generate=dict(recipe.get("generate") or {}))
     return folder
+
+
+def _evaluate(eval_dir: Path, folder: Path, *, custom: bool, generate: dict[str, Any]) -> None:
+    """Stage 7: score the prompt set on the new model (the embedded one, unless written elsewhere)."""
+    from pfctl.demo.run import evaluate_model
+    from pfctl.models.embedded import DEFAULT_VARIANT
+
+    shutil.rmtree(eval_dir, ignore_errors=True)
+    score, _ = evaluate_model(
+        eval_dir,
+        model_path=folder if custom else None,
+        variant=DEFAULT_VARIANT,
+        generate=generate if custom else None,
+    )
+    _log(f"colour accuracy {score.color_accuracy:.1%}, direction accuracy {score.direction_accuracy:.1%}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,6 +17,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -216,6 +217,45 @@ def _validate(num_clips: int, size: tuple[int, int], num_frames: int, fps: float
     return width, height
 
 
+def _write_clips(
+    root: Path,
+    clips: Sequence[ShapeClip],
+    size: tuple[int, int],
+    num_frames: int,
+    fps: float,
+    background: tuple[int, int, int],
+    absolute_paths: bool,
+) -> tuple[list[dict[str, Any]], list[Path]]:
+    """Render and encode every clip as ``root/videos/<id>.mp4``, in order; returns the annotation
+    rows and the video paths."""
+    from pfctl.sampling.video_io import write_video
+
+    width, height = size
+    rows, paths = [], []
+    for clip in clips:
+        path = root / "videos" / f"{clip.id}.mp4"
+        frames = render_clip(clip, size, num_frames, background)
+        # One encoder thread (write_video's default): byte-identical files on reruns.
+        write_video(path, frames, fps, crf=18, threads=1)
+        paths.append(path)
+        video_ref = str(path.resolve()) if absolute_paths else path.relative_to(root).as_posix()
+        rows.append(
+            {
+                "id": clip.id,
+                "video": video_ref,
+                "text": clip.caption,
+                "color": clip.color,
+                "shape": clip.shape,
+                "direction": clip.direction,
+                "num_frames": num_frames,
+                "fps": fps,
+                "width": width,
+                "height": height,
+            }
+        )
+    return rows, paths
+
+
 def make_shapes(
     out_dir: str | os.PathLike[str],
     num_clips: int = 64,
@@ -239,7 +279,6 @@ def make_shapes(
     of the form 8k+1 (17, 25, 121, ...) maps exactly onto latent frames of the causal VAE.
     Files are written atomically; rerunning with the same arguments rewrites identical files.
     """
-    from pfctl.sampling.video_io import write_video
     from pfctl.utils.io import atomic_write_text
 
     width, height = _validate(num_clips, size, num_frames, fps)
@@ -252,50 +291,23 @@ def make_shapes(
         num_clips, (width, height), num_frames, seed, colors=colors, shapes=shapes, directions=directions
     )
     annotation_file = root / annotation_name
-    rows, paths = [], []
-    for clip in clips:
-        path = root / "videos" / f"{clip.id}.mp4"
-        frames = render_clip(clip, (width, height), num_frames, background)
-        # One encoder thread (write_video's default): byte-identical files on reruns.
-        write_video(path, frames, fps, crf=18, threads=1)
-        paths.append(path)
-        video_ref = str(path.resolve()) if absolute_paths else path.relative_to(root).as_posix()
-        rows.append(
-            {
-                "id": clip.id,
-                "video": video_ref,
-                "text": clip.caption,
-                "color": clip.color,
-                "shape": clip.shape,
-                "direction": clip.direction,
-                "num_frames": num_frames,
-                "fps": fps,
-                "width": width,
-                "height": height,
-            }
-        )
+    rows, paths = _write_clips(root, clips, (width, height), num_frames, fps, background, absolute_paths)
     atomic_write_text(annotation_file, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
-    atomic_write_text(
-        root / "shapes_meta.json",
-        json.dumps(
-            {
-                "generator": "pfctl.demo.shapes",
-                "seed": seed,
-                "num_clips": num_clips,
-                "width": width,
-                "height": height,
-                "num_frames": num_frames,
-                "fps": fps,
-                "colors": list(colors),
-                "shapes": list(shapes),
-                "directions": list(directions),
-                "background": list(background),
-                "clips": [asdict(c) for c in clips],
-            },
-            indent=2,
-        )
-        + "\n",
-    )
+    meta = {
+        "generator": "pfctl.demo.shapes",
+        "seed": seed,
+        "num_clips": num_clips,
+        "width": width,
+        "height": height,
+        "num_frames": num_frames,
+        "fps": fps,
+        "colors": list(colors),
+        "shapes": list(shapes),
+        "directions": list(directions),
+        "background": list(background),
+        "clips": [asdict(c) for c in clips],
+    }
+    atomic_write_text(root / "shapes_meta.json", json.dumps(meta, indent=2) + "\n")
     return ShapesDataset(
         root=root,
         annotation_file=annotation_file,

@@ -177,6 +177,114 @@ def _lr_at(step: int, cfg: VAETrainConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
+def _init_model(cfg: VAETrainConfig) -> torch.nn.Module:
+    """The VAE of ``cfg.vae_config``, initialised from ``cfg.seed`` (global RNG left untouched)."""
+    from pfctl.models.causal_vae import CausalVideoVAE
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = CausalVideoVAE(**cfg.vae_config)
+        if cfg.init == "torch":
+            for module in model.modules():
+                if isinstance(module, torch.nn.Conv3d | torch.nn.Linear | torch.nn.GroupNorm):
+                    module.reset_parameters()
+        elif cfg.init != "reference":
+            raise ConfigError(f"unknown init {cfg.init!r}", hint="use torch or reference")
+        if cfg.logvar_init is not None:
+            with torch.no_grad():
+                half = model.quant_conv.conv.bias.shape[0] // 2
+                model.quant_conv.conv.bias[half:] = cfg.logvar_init
+    return model
+
+
+def _optimizer(model: torch.nn.Module, cfg: VAETrainConfig) -> torch.optim.Optimizer:
+    """AdamW with weight decay on the matrices / kernels only."""
+    params_decay = [p for p in model.parameters() if p.ndim > 1]
+    params_rest = [p for p in model.parameters() if p.ndim <= 1]
+    return torch.optim.AdamW(
+        [{"params": params_decay, "weight_decay": 1e-4}, {"params": params_rest, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.99),
+    )
+
+
+def _optimize_step(
+    model: Any,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    background: torch.Tensor,
+    noise_gen: torch.Generator,
+    cfg: VAETrainConfig,
+) -> tuple[dict[str, float], Any]:
+    """One optimiser step on the batch ``x``; returns the step's loss terms and its posterior."""
+    from pfctl.models.vae import FLUX_LATENT_NORM, normalize_latents
+
+    posterior = model.encode(x)
+    eps = torch.randn(posterior.mean.shape, generator=noise_gen, device=x.device)
+    z = posterior.mean + posterior.std * eps
+    recon = model.decode(z)
+    err = (recon - x) ** 2
+    mse = err.mean()
+    weight = 1.0 + (cfg.fg_weight - 1.0) * ((x - background).abs().amax(dim=1, keepdim=True) > 0.1)
+    recon_loss = (weight * err).mean()
+    kl = kl_to_prior(posterior.mean, posterior.logvar, FLUX_LATENT_NORM)
+    moments = moment_penalty(normalize_latents(posterior.mean, FLUX_LATENT_NORM))
+    loss = recon_loss + cfg.kl_weight * kl + cfg.moment_weight * moments
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+    opt.step()
+    terms = {
+        key: value.item() for key, value in (("loss", loss), ("mse", mse), ("kl", kl), ("moments", moments))
+    }
+    return {**terms, "grad_norm": grad_norm}, posterior
+
+
+def _train_loop(
+    model: Any,
+    pool: torch.Tensor,
+    cfg: VAETrainConfig,
+    start: float,
+    on_log: Callable[[dict[str, Any]], None] | None,
+    log_every: int,
+) -> tuple[list[str], int]:
+    """Run the training steps (until ``cfg.steps`` or ``cfg.max_seconds``); returns the log
+    lines (JSON, one per ``log_every`` steps, also passed to ``on_log``) and the steps done."""
+    device = torch.device(cfg.device)
+    opt = _optimizer(model, cfg)
+    background = torch.tensor(BACKGROUND, dtype=torch.float32, device=device).view(1, 3, 1, 1, 1) / 127.5 - 1
+    data_gen = torch.Generator().manual_seed(cfg.seed + 1)
+    noise_gen = torch.Generator(device=device).manual_seed(cfg.seed + 2)
+    log_lines: list[str] = []
+    running: dict[str, float] = {}
+    steps_done = 0
+    for step in range(cfg.steps):
+        if cfg.max_seconds is not None and time.perf_counter() - start > cfg.max_seconds:
+            break
+        steps_done = step + 1
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, cfg)
+        idx = torch.randint(0, pool.shape[0], (cfg.batch_size,), generator=data_gen)
+        x = _to_unit(_augment(pool[idx], data_gen)).to(device)
+        if step < cfg.image_steps:
+            x = x[:, :, :1]
+        terms, posterior = _optimize_step(model, opt, x, background, noise_gen, cfg)
+        for key, value in terms.items():
+            running[key] = running.get(key, 0.0) + value
+        if (step + 1) % log_every == 0 or step + 1 == cfg.steps:
+            n = (step % log_every) + 1
+            record = {"step": step + 1, **{k: v / n for k, v in running.items()}}
+            record["psnr"] = 10 * math.log10(4.0 / max(record["mse"], 1e-12))
+            record["lr"] = _lr_at(step, cfg)
+            record["posterior_std"] = posterior.std.detach().mean().item()
+            record["elapsed_s"] = round(time.perf_counter() - start, 1)
+            log_lines.append(json.dumps(record, sort_keys=True))
+            if on_log is not None:
+                on_log(record)
+            running = {}
+    return log_lines, steps_done
+
+
 def train_vae(
     out_dir: str | os.PathLike[str],
     cfg: VAETrainConfig | None = None,
@@ -185,8 +293,6 @@ def train_vae(
     log_every: int = 25,
 ) -> VAETrainResult:
     """Train the shapes VAE and save it as ``out_dir/causal_video_vae`` (safetensors)."""
-    from pfctl.models.causal_vae import CausalVideoVAE
-    from pfctl.models.vae import FLUX_LATENT_NORM, normalize_latents
     from pfctl.utils.io import atomic_write_json, atomic_write_text
 
     cfg = cfg or VAETrainConfig()
@@ -204,74 +310,8 @@ def train_vae(
     start = time.perf_counter()
     try:
         pool = render_pool(cfg)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
-            model = CausalVideoVAE(**cfg.vae_config)
-            if cfg.init == "torch":
-                for module in model.modules():
-                    if isinstance(module, torch.nn.Conv3d | torch.nn.Linear | torch.nn.GroupNorm):
-                        module.reset_parameters()
-            elif cfg.init != "reference":
-                raise ConfigError(f"unknown init {cfg.init!r}", hint="use torch or reference")
-            if cfg.logvar_init is not None:
-                with torch.no_grad():
-                    half = model.quant_conv.conv.bias.shape[0] // 2
-                    model.quant_conv.conv.bias[half:] = cfg.logvar_init
-        model = torch.nn.Module.to(model, device).train()
-        params_decay = [p for p in model.parameters() if p.ndim > 1]
-        params_rest = [p for p in model.parameters() if p.ndim <= 1]
-        opt = torch.optim.AdamW(
-            [{"params": params_decay, "weight_decay": 1e-4}, {"params": params_rest, "weight_decay": 0.0}],
-            lr=cfg.lr,
-            betas=(0.9, 0.99),
-        )
-        background = (
-            torch.tensor(BACKGROUND, dtype=torch.float32, device=device).view(1, 3, 1, 1, 1) / 127.5 - 1
-        )
-        data_gen = torch.Generator().manual_seed(cfg.seed + 1)
-        noise_gen = torch.Generator(device=device).manual_seed(cfg.seed + 2)
-        log_lines: list[str] = []
-        running: dict[str, float] = {}
-        steps_done = 0
-        for step in range(cfg.steps):
-            if cfg.max_seconds is not None and time.perf_counter() - start > cfg.max_seconds:
-                break
-            steps_done = step + 1
-            for group in opt.param_groups:
-                group["lr"] = _lr_at(step, cfg)
-            idx = torch.randint(0, pool.shape[0], (cfg.batch_size,), generator=data_gen)
-            x = _to_unit(_augment(pool[idx], data_gen)).to(device)
-            if step < cfg.image_steps:
-                x = x[:, :, :1]
-            posterior = model.encode(x)
-            eps = torch.randn(posterior.mean.shape, generator=noise_gen, device=device)
-            z = posterior.mean + posterior.std * eps
-            recon = model.decode(z)
-            err = (recon - x) ** 2
-            mse = err.mean()
-            weight = 1.0 + (cfg.fg_weight - 1.0) * ((x - background).abs().amax(dim=1, keepdim=True) > 0.1)
-            recon_loss = (weight * err).mean()
-            kl = kl_to_prior(posterior.mean, posterior.logvar, FLUX_LATENT_NORM)
-            moments = moment_penalty(normalize_latents(posterior.mean, FLUX_LATENT_NORM))
-            loss = recon_loss + cfg.kl_weight * kl + cfg.moment_weight * moments
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-            opt.step()
-            for key, value in (("loss", loss), ("mse", mse), ("kl", kl), ("moments", moments)):
-                running[key] = running.get(key, 0.0) + value.item()
-            running["grad_norm"] = running.get("grad_norm", 0.0) + grad_norm
-            if (step + 1) % log_every == 0 or step + 1 == cfg.steps:
-                n = (step % log_every) + 1
-                record = {"step": step + 1, **{k: v / n for k, v in running.items()}}
-                record["psnr"] = 10 * math.log10(4.0 / max(record["mse"], 1e-12))
-                record["lr"] = _lr_at(step, cfg)
-                record["posterior_std"] = posterior.std.detach().mean().item()
-                record["elapsed_s"] = round(time.perf_counter() - start, 1)
-                log_lines.append(json.dumps(record, sort_keys=True))
-                if on_log is not None:
-                    on_log(record)
-                running = {}
+        model = torch.nn.Module.to(_init_model(cfg), device).train()
+        log_lines, steps_done = _train_loop(model, pool, cfg, start, on_log, log_every)
         model.eval()
         folder = out / "causal_video_vae"
         _save(model, folder)
