@@ -514,13 +514,13 @@ class LayerSyncEngine:
 
 
 # ---------------------------------------------------------------------------------------- patching
-class _Patched:
+class PatchedForwards:
     """Temporarily replace ``forward`` of some modules (instance attribute; restored on exit)."""
 
     def __init__(self, pairs: Sequence[tuple[nn.Module, Callable[..., Any]]]) -> None:
         self.pairs = list(pairs)
 
-    def __enter__(self) -> _Patched:
+    def __enter__(self) -> PatchedForwards:
         for mod, fn in self.pairs:
             mod.__dict__["forward"] = fn
         return self
@@ -530,8 +530,9 @@ class _Patched:
             mod.__dict__.pop("forward", None)
 
 
-def group_norm_patches(root: nn.Module, engine: LayerSyncEngine) -> list[tuple[nn.Module, Callable]]:
-    """Route every nn.GroupNorm under ``root`` that receives a video tensor (5D) through the engine.
+def group_norm_patches(root: nn.Module, engine: Any) -> list[tuple[nn.Module, Callable]]:
+    """Route every nn.GroupNorm under ``root`` that receives a video tensor (5D) through the engine
+    (anything with ``group_norm(name, module, x)``: this module's engine or the recompute one).
 
     4D/3D inputs (time folded into the batch) are per-frame already and keep the library's forward, and
     so do GroupNorm subclasses that override ``forward``.
@@ -586,7 +587,7 @@ def layer_synchronous_forward(
     pairs = group_norm_patches(norm_root, engine)
     if extra_patches is not None:
         pairs += extra_patches(engine)
-    with _Patched(pairs):
+    with PatchedForwards(pairs):
         outs = engine.run([lambda c=c: chunk_fn(c) for c in chunks])
     return ExactResult(
         moments=torch.cat(outs, dim=2),
