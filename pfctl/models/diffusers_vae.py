@@ -232,7 +232,9 @@ def _hunyuan_conv_patches(encoder: torch.nn.Module, engine: Any) -> list[tuple[t
     for name, mod in encoder.named_modules():
         if isinstance(mod, HunyuanVideoCausalConv3d):
             if mod.pad_mode != "replicate":
-                raise ConfigError(f"exact chunking needs replicate-padded causal convs ({name}: {mod.pad_mode})")
+                raise ConfigError(
+                    f"exact chunking needs replicate-padded causal convs ({name}: {mod.pad_mode})"
+                )
 
             def fwd(h: torch.Tensor, _m: Any = mod, _n: str = name) -> torch.Tensor:
                 k, stride = _m.conv.kernel_size[0], _m.conv.stride[0]
@@ -561,7 +563,9 @@ class DiffusersVideoVAE:
         stages = [("conv_in", first(enc.conv_in))]
         for i, block in enumerate(enc.down_blocks):
             stages += [(f"down_blocks.{i}.resnets.{j}", first(r)) for j, r in enumerate(block.resnets)]
-            stages += [(f"down_blocks.{i}.downsamplers.{j}", d) for j, d in enumerate(block.downsamplers or [])]
+            stages += [
+                (f"down_blocks.{i}.downsamplers.{j}", d) for j, d in enumerate(block.downsamplers or [])
+            ]
         mid = enc.mid_block
         attns = [None] * (len(mid.resnets) - 1) if cog else list(mid.attentions)
         stages.append(("mid_block.resnets.0", first(mid.resnets[0])))
