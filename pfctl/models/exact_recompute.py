@@ -14,12 +14,13 @@ runs in *passes*; a pass runs the chunks one after another, in time order, from 
   all-reduce of O(groups) numbers per norm, on every rank alike) and the next pass goes one norm further;
 - the pass that finds no unknown norm is the last one and returns the moments.
 
-Checkpoint: the input of the target's stage is final (every norm before it is known). Each chunk keeps it
-in place of its previous checkpoint when the whole clip's copy fits ``checkpoint_bytes`` (None: always);
-the next passes start there. So with no limit, a resnet costs three passes — its input's statistics, its
-first conv recomputed for the second norm, then the whole block — and one full-clip activation (the
-checkpoint) is alive at a time: about 1.5× the convolutions at the memory of one activation plus one
-chunk's working set. A limit of 0 recomputes every pass from the input clip (least memory, most time).
+Checkpoint: the input of the target's stage is final (every norm before it is known). A chunk keeps it in
+place of its previous checkpoint, and starts its next passes there, as far as ``checkpoint_bytes`` allows
+(the last chunks first: a chunk needs the causal context of the one before it, so it may not start
+earlier than that one). With room for the whole clip a resnet costs three passes — its input's
+statistics, its first conv again for the second norm, then the whole block — with one whole-clip
+activation alive between passes: about 1.5x the convolutions. A chunk without a checkpoint recomputes
+from its last one (at worst the input clip): less memory, more passes over the widest layers.
 
 Causal convs get the previous chunk's leftover padded frames (recomputed in each pass, as the chunks run
 in order). Across processes the first chunk gets them from the previous rank (``halo``); a stage that has
@@ -177,10 +178,29 @@ class RecomputeEngine:
         return full
 
 
-def _estimate_bytes(t: torch.Tensor, plan: Sequence[int]) -> int:
-    """The whole shard's copy of a chunk-0 tensor, scaled by frames (chunk 0 holds the extra causal frame,
-    so this errs high)."""
-    return t.numel() * t.element_size() * sum(plan) // plan[0]
+AUTO_CHECKPOINT_CHUNKS = 2
+"""``checkpoint_bytes=None``: the checkpoints may hold as much as this many of the largest chunk's first
+checkpoint (the widest activation, right after the first conv) — the default, chosen so that with 4-frame
+chunks the peak stays at or below the library framewise path's with its 8-frame chunks (whose working set
+is several such activations; tests/unit/test_verify_exact_recompute.py). Chunks beyond it recompute
+from their previous checkpoint, at worst the input clip."""
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _advance_from(per_frame: float, plan: Sequence[int], held: Sequence[int], budget: int | None) -> int:
+    """First chunk whose checkpoint moves forward this pass: the chunks from there on move (estimated
+    ``per_frame`` bytes per input frame each) and the ones before keep what they ``held``, within
+    ``budget``. Only a suffix can move: a chunk needs its causal context from the one before it, which
+    must therefore start at the same stage or earlier."""
+    if budget is None:
+        return 0
+    for k0 in range(len(plan) + 1):
+        if sum(held[:k0]) + per_frame * sum(plan[k0:]) <= budget:
+            return k0
+    return len(plan)
 
 
 def _run_chunk(
@@ -207,30 +227,35 @@ def recompute_forward(
     engine: RecomputeEngine,
     checkpoint_bytes: int | None,
 ) -> RecomputeResult:
-    """Run ``stages`` over ``x`` split on time by ``plan`` in passes (module docstring)."""
+    """Run ``stages`` over ``x`` split on time by ``plan`` in passes (module docstring).
+
+    ``checkpoint_bytes``: bytes the checkpoints may hold (None: :data:`AUTO_CHECKPOINT_CHUNKS` chunks'
+    worth; ``sys.maxsize``: no limit)."""
     if sum(plan) != x.shape[2]:
         raise ValueError(f"chunk plan {list(plan)} does not add up to {x.shape[2]} frames")
     starts = [sum(plan[:i]) for i in range(len(plan))]
     ckpt = [x[:, :, s : s + n] for s, n in zip(starts, plan, strict=True)]
-    base, passes, peak = 0, 0, 0
+    bases = [0] * len(plan)
+    held = [0] * len(plan)  # bytes of each chunk's checkpoint (0: a view of the input clip)
+    budget, passes, peak = checkpoint_bytes, 0, 0
     while True:
         passes += 1
         outs: list[torch.Tensor] = []
-        keep, stop = False, len(stages)
+        stop, first_moving = len(stages), len(plan)
         for k in range(engine.n):
-            out, stop, h_in = _run_chunk(engine, stages, k, ckpt[k], base)
+            out, stop, h_in = _run_chunk(engine, stages, k, ckpt[k], bases[k])
             if out is not None:
                 outs.append(out)
                 continue
             if k == 0:
-                fits = checkpoint_bytes is None or _estimate_bytes(h_in, plan) <= checkpoint_bytes
-                keep = stop > base and fits
-            if keep:
-                ckpt[k] = h_in  # the previous checkpoint of this chunk is freed here
+                per_frame = _nbytes(h_in) / plan[0]
+                if budget is None:
+                    budget = int(AUTO_CHECKPOINT_CHUNKS * per_frame * max(plan))
+                first_moving = _advance_from(per_frame, plan, held, budget)
+            if k >= first_moving and stop > bases[k]:
+                ckpt[k], bases[k], held[k] = h_in, stop, _nbytes(h_in)  # the previous one is freed here
             del h_in
-        if keep:
-            base = stop
-            peak = max(peak, sum(t.numel() * t.element_size() for t in ckpt))
+        peak = max(peak, sum(held))
         engine.done_stages.update(range(stop))
         if not engine.finish_pass():
             break
@@ -258,7 +283,8 @@ def exact_recompute_encode(
     ``exact_patches(engine)`` (its causal convs routed through the engine), e.g.
     :class:`pfctl.models.diffusers_vae.DiffusersVideoVAE`. Several processes: as for
     :func:`pfctl.models.exact_chunked.exact_chunked_encode` (time shards, ``reduce_fn``, ``halo``).
-    ``checkpoint_bytes``: the most this process keeps across passes (None: no limit; module docstring).
+    ``checkpoint_bytes``: the most this process keeps across passes (None: automatic, see
+    :data:`AUTO_CHECKPOINT_CHUNKS`; ``sys.maxsize``: no limit; module docstring).
     """
     module = vae.module
     root = getattr(module, "encoder", module)
