@@ -54,12 +54,14 @@ class VerifyConfig(Section):
     """Chunk size of the exact chunked encode (None: the library's own chunk size)."""
     exact_schedule: Literal["recompute", "parked"] = "recompute"
     """How the exact encode gets whole-clip GroupNorm statistics: ``recompute`` (default) runs the chunks in
-    passes from a checkpoint, one pass per time-coupled norm, and keeps no chunk's activations between
-    passes — memory of the framewise path, more compute; ``parked`` keeps every chunk's activation at each
-    norm (least compute, about twice the memory; CogVideoX only). Trade-off: benchmarks/RESULTS.md."""
+    passes from a checkpoint, one pass per time-coupled norm, keeping no chunk's activations between
+    passes — at most the framewise path's memory with its default 4-frame chunks, ~1.5x the convolutions;
+    ``parked`` keeps every chunk's activation at each norm (less compute, about twice the framewise
+    memory; CogVideoX only). Same latents to float rounding. Trade-off: benchmarks/RESULTS.md."""
     exact_checkpoint_gib: float | None = Field(default=None, ge=0)
-    """``recompute`` only: memory (GiB) for the whole-clip checkpoint the passes restart from (None: no
-    limit, one activation; 0: every pass restarts from the input clip — least memory, most passes)."""
+    """``recompute`` only: memory (GiB) for the checkpoint the passes restart from (None: no limit, at
+    most one whole-clip activation; less: the first chunks recompute from earlier, down to 0 — every
+    pass from the input clip, least memory, ~15-20x the compute)."""
     exact_offload_above_gib: float | None = Field(default=None, ge=0)
     """``parked`` only: GPU memory (GiB) for the exact encode's parked norm inputs before the rest wait in
     host memory (None: all stay on the GPU). Lowers the parked encode's peak at some cost in time

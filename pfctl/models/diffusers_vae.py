@@ -107,7 +107,8 @@ never the size of the error of a trained model."""
 CHUNKINGS = ("none", "framewise", "exact")
 EXACT_SCHEDULES = ("recompute", "parked")
 """Schedules of the exact chunked encode: ``recompute`` (:mod:`pfctl.models.exact_recompute`, the
-default: framewise-size memory, the first conv of every resnet computed twice) and ``parked``
+default: the framewise path's memory or less with its default smallest chunks, the first conv of
+every resnet computed twice) and ``parked``
 (:mod:`pfctl.models.exact_chunked`: every chunk's activation kept at each norm; less compute, about
 twice the memory; CogVideoX only)."""
 
@@ -509,8 +510,8 @@ class DiffusersVideoVAE:
 
     def _encode_exact(self, x: torch.Tensor, chunk_frames: int | None, **kw: Any) -> torch.Tensor:
         if self.uses_exact_engine:
-            plan = self.chunk_plan(x.shape[2], chunk_frames)
             schedule = kw.pop("schedule", self.exact_schedule)
+            plan = self.exact_plan(x.shape[2], chunk_frames, schedule)
             if schedule == "recompute":
                 from pfctl.models.exact_recompute import exact_recompute_encode
 
@@ -540,6 +541,16 @@ class DiffusersVideoVAE:
     def uses_exact_engine(self) -> bool:
         """True when chunking="exact" needs an exact schedule (time-coupled GroupNorms)."""
         return self.family in ("cogvideox", "hunyuan")
+
+    def exact_plan(
+        self, num_frames: int, chunk_frames: int | None = None, schedule: str | None = None
+    ) -> list[int]:
+        """Chunk plan of chunking="exact": ``chunk_frames`` when given, else the library's chunks for the
+        parked schedule and the smallest aligned chunks for recompute (its peak is one chunk's working
+        set plus the checkpoint, so small chunks are what keep it at or under the framewise path's)."""
+        if chunk_frames is None and (schedule or self.exact_schedule) == "recompute":
+            chunk_frames = self.chunk_align()
+        return self.chunk_plan(num_frames, chunk_frames)
 
     def exact_chunk_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """Runs the encoder on one chunk *without* the library's cache (the exact engine carries it)."""

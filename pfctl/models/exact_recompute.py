@@ -22,6 +22,11 @@ statistics, its first conv again for the second norm, then the whole block — w
 activation alive between passes: about 1.5x the convolutions. A chunk without a checkpoint recomputes
 from its last one (at worst the input clip): less memory, more passes over the widest layers.
 
+Memory: the checkpoint (at most one whole-clip activation) plus one chunk's working set. A real VAE's
+working set is many activations of its chunk (the library's block code keeps its inputs, pads, copies),
+so with the smallest chunks (:meth:`DiffusersVideoVAE.exact_plan`) the sum stays under the framewise
+path's peak with its larger chunks (figures: benchmarks/RESULTS.md).
+
 Causal convs get the previous chunk's leftover padded frames (recomputed in each pass, as the chunks run
 in order). Across processes the first chunk gets them from the previous rank (``halo``); a stage that has
 run to completion once is final, so the halos of its convs are exchanged in that pass only and reused
@@ -178,14 +183,6 @@ class RecomputeEngine:
         return full
 
 
-AUTO_CHECKPOINT_CHUNKS = 2
-"""``checkpoint_bytes=None``: the checkpoints may hold as much as this many of the largest chunk's first
-checkpoint (the widest activation, right after the first conv) — the default, chosen so that with 4-frame
-chunks the peak stays at or below the library framewise path's with its 8-frame chunks (whose working set
-is several such activations; tests/unit/test_verify_exact_recompute.py). Chunks beyond it recompute
-from their previous checkpoint, at worst the input clip."""
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -229,15 +226,14 @@ def recompute_forward(
 ) -> RecomputeResult:
     """Run ``stages`` over ``x`` split on time by ``plan`` in passes (module docstring).
 
-    ``checkpoint_bytes``: bytes the checkpoints may hold (None: :data:`AUTO_CHECKPOINT_CHUNKS` chunks'
-    worth; ``sys.maxsize``: no limit)."""
+    ``checkpoint_bytes``: bytes the checkpoints may hold (None: no limit)."""
     if sum(plan) != x.shape[2]:
         raise ValueError(f"chunk plan {list(plan)} does not add up to {x.shape[2]} frames")
     starts = [sum(plan[:i]) for i in range(len(plan))]
     ckpt = [x[:, :, s : s + n] for s, n in zip(starts, plan, strict=True)]
     bases = [0] * len(plan)
     held = [0] * len(plan)  # bytes of each chunk's checkpoint (0: a view of the input clip)
-    budget, passes, peak = checkpoint_bytes, 0, 0
+    passes, peak = 0, 0
     while True:
         passes += 1
         outs: list[torch.Tensor] = []
@@ -248,10 +244,7 @@ def recompute_forward(
                 outs.append(out)
                 continue
             if k == 0:
-                per_frame = _nbytes(h_in) / plan[0]
-                if budget is None:
-                    budget = int(AUTO_CHECKPOINT_CHUNKS * per_frame * max(plan))
-                first_moving = _advance_from(per_frame, plan, held, budget)
+                first_moving = _advance_from(_nbytes(h_in) / plan[0], plan, held, checkpoint_bytes)
             if k >= first_moving and stop > bases[k]:
                 ckpt[k], bases[k], held[k] = h_in, stop, _nbytes(h_in)  # the previous one is freed here
             del h_in
@@ -283,8 +276,7 @@ def exact_recompute_encode(
     ``exact_patches(engine)`` (its causal convs routed through the engine), e.g.
     :class:`pfctl.models.diffusers_vae.DiffusersVideoVAE`. Several processes: as for
     :func:`pfctl.models.exact_chunked.exact_chunked_encode` (time shards, ``reduce_fn``, ``halo``).
-    ``checkpoint_bytes``: the most this process keeps across passes (None: automatic, see
-    :data:`AUTO_CHECKPOINT_CHUNKS`; ``sys.maxsize``: no limit; module docstring).
+    ``checkpoint_bytes``: the most this process keeps across passes (None: no limit; module docstring).
     """
     module = vae.module
     root = getattr(module, "encoder", module)

@@ -245,6 +245,8 @@ def _observed_plan(run: _Run, spec: _PathSpec, calls: list[int]) -> list[int]:
     """Frames per encoder call of this path: the adapter's own plan when it has one (tiles overlap, so
     calls do not add up), else what the encoder was seen to receive."""
     T = run.x.shape[2]
+    if spec.chunking == "exact" and hasattr(run.vae, "exact_plan"):
+        return list(run.vae.exact_plan(T, spec.chunk_frames))
     if hasattr(run.vae, "chunk_plan"):
         return list(run.vae.chunk_plan(T, spec.chunk_frames))
     return calls if sum(calls) == T else [T]
@@ -378,7 +380,7 @@ def _exact_result(vae: Any, x: torch.Tensor, chunk_frames: int | None) -> int | 
     """Run the exact encode once (for memory) and return the bytes its schedule kept across chunks:
     norm inputs held at norm boundaries (``parked``) or the checkpoint between passes (``recompute``)."""
     if getattr(vae, "uses_exact_engine", False):
-        plan = list(vae.chunk_plan(x.shape[2], chunk_frames))
+        plan = list(vae.exact_plan(x.shape[2], chunk_frames))
         if vae.exact_schedule == "recompute":
             from pfctl.models.exact_recompute import exact_recompute_encode
 
