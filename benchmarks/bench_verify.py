@@ -13,12 +13,11 @@ above the baseline) and the error of the posterior mean against the one-call enc
 One process: rows one-call, library framewise, exact parked (all parked activations on the device), one
 row of exact parked with offload per value of ``--offload-above-gib`` (parked norm inputs beyond that
 many GiB wait in pinned host memory; the next to resume is copied back while the current chunk computes),
-and one row of exact recompute per value of ``--checkpoint-gib`` (auto: the default budget, all: no
-limit, or GiB). Comma-separated lists sweep the budgets in one run:
+and one row of exact recompute per value of ``--checkpoint-gib`` (all: no limit, the default; or GiB). Comma-separated lists sweep the budgets in one run:
 
-    python benchmarks/bench_verify.py --device cuda --offload-above-gib 0.5,1,2,3 --checkpoint-gib auto,all,1
+    python benchmarks/bench_verify.py --device cuda --offload-above-gib 0.5,1,2,3 --checkpoint-gib all,1
     python benchmarks/bench_verify.py --device cpu --dtype fp32 --channels 32,64,64,128 --frames 25 \
-        --size 96x144 --offload-above-gib=-1 --checkpoint-gib auto,all,0     # CPU, same structure
+        --size 96x144 --offload-above-gib=-1 --checkpoint-gib all,0.05     # CPU, same structure
 
 On the CPU the peak is glibc malloc's bytes in use (sampled), not a device figure.
 
@@ -126,24 +125,22 @@ def _offload_label(gib: float) -> str:
 
 
 def _checkpoint_bytes(budget: str) -> int | None:
-    """``checkpoint_bytes`` of the recompute schedule: "auto" (None), "all" (no limit) or GiB."""
-    if budget == "auto":
-        return None
-    return sys.maxsize if budget == "all" else int(float(budget) * GiB)
+    """``checkpoint_bytes`` of the recompute schedule: "all" (None: no limit, the default) or GiB."""
+    return None if budget == "all" else int(float(budget) * GiB)
 
 
 def _checkpoint_label(budget: str) -> str:
-    return f"checkpoint {budget}" if budget in ("auto", "all") else f"checkpoint<={budget}G"
+    return "checkpoint all" if budget == "all" else f"checkpoint<={budget}G"
 
 
 def _parse_checkpoint_list(text: str) -> list[str]:
     values = [v.strip() for v in text.split(",") if v.strip()]
     for v in values:
-        if v not in ("auto", "all"):
+        if v != "all":
             try:
                 float(v)
             except ValueError as exc:
-                raise argparse.ArgumentTypeError(f"not auto, all or a number of GiB: {v!r}") from exc
+                raise argparse.ArgumentTypeError(f"not 'all' or a number of GiB: {v!r}") from exc
     return values
 
 
@@ -389,9 +386,9 @@ def main() -> int:
     parser.add_argument(
         "--checkpoint-gib",
         type=_parse_checkpoint_list,
-        default=["auto"],
-        help="exact recompute rows: checkpoint budget per row, a comma-separated list of auto (the "
-        "default budget), all (no limit) or GiB, e.g. auto,all,0",
+        default=["all"],
+        help="exact recompute rows: checkpoint budget per row, a comma-separated list of all (no limit, "
+        "the default) or GiB, e.g. all,1,0",
     )
     parser.add_argument(
         "--schedule",
