@@ -2,7 +2,9 @@
 
 Why: chunked ("framewise") encoding with a causal-conv cache is exact for every op except a norm whose
 reduction spans T. Such a norm needs the statistics of the *whole* clip at its own depth, which exist only
-after every chunk has reached it. The schedule here is layer-synchronous (SPEC-verify-groupnorm §5 (a)):
+after every chunk has reached it. The schedule here (``exact_schedule="parked"``) is layer-synchronous
+(SPEC-verify-groupnorm §5 (a)); :mod:`pfctl.models.exact_recompute` (``"recompute"``, the default) reuses
+its statistics and normalisation but recomputes instead of parking. The parked schedule:
 
 - every chunk runs up to the next time-coupled GroupNorm and stops there;
 - pass A: each chunk adds its per-(sample, group) sums (N, Σx, Σx²) in float64 — built from fp32 Welford
