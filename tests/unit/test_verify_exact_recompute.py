@@ -134,6 +134,7 @@ def test_recompute_peak_is_below_the_framewise_path(name):
     assert budget < unlimited < 1.5 * framewise
 
 
+@pytest.mark.slow
 def test_real_cogvideox_default_is_below_framewise_on_the_meta_device():
     """The default schedule on the real CogVideoX config (215.6 M parameters, shapes only: the meta
     device allocates nothing) at 25x240x360 bf16: the live bytes its tensors would hold peak below the
