@@ -10,16 +10,20 @@ above the baseline) and the error of the posterior mean against the one-call enc
     python benchmarks/bench_verify.py --device cpu --frames 9 --size 64x96             # smoke test
     python benchmarks/bench_verify.py --device cpu --frames 9 --size 64x96 --nproc 2   # smoke test, gloo
 
-One process: rows one-call, library framewise, exact chunked (all parked activations on the device) and
-one row of exact chunked with offload per value of ``--offload-above-gib`` (parked norm inputs beyond that
-many GiB wait in pinned host memory; the next to resume is copied back while the current chunk computes).
-A comma-separated list sweeps the budget in one run:
+One process: rows one-call, library framewise, exact parked (all parked activations on the device), one
+row of exact parked with offload per value of ``--offload-above-gib`` (parked norm inputs beyond that
+many GiB wait in pinned host memory; the next to resume is copied back while the current chunk computes),
+and one row of exact recompute per value of ``--checkpoint-gib`` (all: no limit, the default; or GiB). Comma-separated lists sweep the budgets in one run:
 
-    python benchmarks/bench_verify.py --device cuda --offload-above-gib 0.5,1,2,3
+    python benchmarks/bench_verify.py --device cuda --offload-above-gib 0.5,1,2,3 --checkpoint-gib all,1
+    python benchmarks/bench_verify.py --device cpu --dtype fp32 --channels 32,64,64,128 --frames 25 \
+        --size 96x144 --offload-above-gib=-1 --checkpoint-gib all,0.05     # CPU, same structure
+
+On the CPU the peak is glibc malloc's bytes in use (sampled), not a device figure.
 
 ``--nproc N``: N processes started with torch.multiprocessing (NCCL on CUDA, GPU r for rank r; gloo on
 the CPU). Rank r holds the r-th contiguous time shard of the clip (rank 0 the first frames) and runs the
-exact chunked encode on it; GroupNorm statistics are all-reduced and causal-conv halos go from rank r to
+exact chunked encode (``--schedule``) on it; GroupNorm statistics are all-reduced and causal-conv halos go from rank r to
 r + 1. Rank 0 gathers the latents and compares them with the fp32 one-call encode and with the
 single-process exact encode, both computed on rank 0 afterwards. The table has one row per rank (and per
 ``--offload-above-gib`` value, every one run on every rank): its wall time, its own peak, and the error of
@@ -49,12 +53,19 @@ GiB = 2**30
 
 
 def _timed(
-    fn: Callable[[], torch.Tensor], device: torch.device, repeats: int
+    fn: Callable[[], torch.Tensor], device: torch.device, repeats: int, module: torch.nn.Module
 ) -> tuple[float, int, torch.Tensor]:
-    """Median seconds over ``repeats`` (after one warm-up), peak extra memory, last output."""
-    out = fn()
+    """Median seconds over ``repeats`` (after one warm-up), peak extra memory, last output. On the CPU
+    the peak is glibc malloc's bytes in use during the warm-up (sampled; pfctl.verify.measure)."""
+    from pfctl.verify.measure import peak_memory
+
+    box: dict[str, torch.Tensor] = {}
+    cpu_peak, _ = (
+        peak_memory(lambda: box.setdefault("out", fn()), "cpu", module) if device.type == "cpu" else (0, "")
+    )
+    out = box.pop("out") if device.type == "cpu" else fn()
     times = []
-    peak = 0
+    peak = cpu_peak or 0
     for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -76,7 +87,8 @@ def _setup(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor, int
 
     height, width = (int(v) for v in args.size.split("x"))
     torch.manual_seed(0)
-    module = AutoencoderKLCogVideoX().eval()
+    kwargs = {"block_out_channels": tuple(args.channels)} if args.channels else {}
+    module = AutoencoderKLCogVideoX(**kwargs).eval()
     video = torch.rand(1, 3, args.frames, height, width, generator=torch.Generator().manual_seed(0)) * 2 - 1
     return module, video, height, width
 
@@ -112,6 +124,26 @@ def _offload_label(gib: float) -> str:
     return f"offload>{gib:g}G" if gib >= 0 else "no offload"
 
 
+def _checkpoint_bytes(budget: str) -> int | None:
+    """``checkpoint_bytes`` of the recompute schedule: "all" (None: no limit, the default) or GiB."""
+    return None if budget == "all" else int(float(budget) * GiB)
+
+
+def _checkpoint_label(budget: str) -> str:
+    return "checkpoint all" if budget == "all" else f"checkpoint<={budget}G"
+
+
+def _parse_checkpoint_list(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    for v in values:
+        if v != "all":
+            try:
+                float(v)
+            except ValueError as exc:
+                raise argparse.ArgumentTypeError(f"not 'all' or a number of GiB: {v!r}") from exc
+    return values
+
+
 def _parse_gib_list(text: str) -> list[float]:
     try:
         return [float(v) for v in text.split(",") if v.strip()]
@@ -131,6 +163,9 @@ def _info(args: argparse.Namespace, device: torch.device, params: int, height: i
         "nproc": args.nproc,
         "chunk_frames": args.chunk_frames,
         "offload_above_gib": args.offload_above_gib,
+        "checkpoint_gib": args.checkpoint_gib,
+        "schedule": args.schedule,
+        "channels": args.channels,
     }
 
 
@@ -139,7 +174,8 @@ def _print_table(info: dict, rows: list[dict]) -> None:
     print(
         f"\nCogVideoX VAE ({info['params'] / 1e6:.1f} M params), {info['frames']}x{h}x{w}, {info['dtype']}, "
         f"{info['device']}, chunk frames {info['chunk_frames']}, "
-        f"offload above {', '.join(f'{g:g}' for g in info['offload_above_gib'])} GiB"
+        f"offload above {', '.join(f'{g:g}' for g in info['offload_above_gib'])} GiB (parked), "
+        f"checkpoint {', '.join(info['checkpoint_gib'])} (recompute)"
     )
     width = max(30, *(len(r["path"]) + 2 for r in rows))
     print(f"{'path':<{width}}{'seconds':>9}{'peak GiB':>10}{'relL2 vs fp32':>15}{'max abs':>10}")
@@ -165,19 +201,29 @@ def run_single(args: argparse.Namespace) -> None:
     vae = _vae(module, device, dtype)
     x = video.to(device, dtype)
     exact = {"chunking": "exact", "chunk_frames": args.chunk_frames}
+    parked = {**exact, "schedule": "parked"}
     paths: list[tuple[str, dict[str, Any]]] = [
         ("one-call", {"chunking": "none"}),
         ("framewise (library)", {"chunking": "framewise"}),
-        ("exact chunked", exact),
+        ("exact parked", parked),
     ]
     for gib in args.offload_above_gib:
         if gib >= 0:  # a negative value is the no-offload row, which is always there
             paths.append(
-                (f"exact chunked, {_offload_label(gib)}", {**exact, "offload_above": _offload_bytes(gib)})
+                (f"exact parked, {_offload_label(gib)}", {**parked, "offload_above": _offload_bytes(gib)})
             )
+    for budget in args.checkpoint_gib:
+        paths.append(
+            (
+                f"exact recompute, {_checkpoint_label(budget)}",
+                {**exact, "schedule": "recompute", "checkpoint_bytes": _checkpoint_bytes(budget)},
+            )
+        )
     rows = []
     for name, call in paths:
-        seconds, peak, out = _timed(lambda c=call: vae.encode_moments(x, **c), device, args.repeats)
+        seconds, peak, out = _timed(
+            lambda c=call: vae.encode_moments(x, **c), device, args.repeats, vae.module
+        )
         rows.append({"path": name, "seconds": seconds, "peak_gib": peak / GiB, **_errors(ref_mean, out)})
         del out
     info = {**_info(args, device, params, height, width), "rows": rows}
@@ -191,6 +237,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     import torch.distributed as dist
 
     from pfctl.models.exact_chunked import distributed_exchange, exact_chunked_encode, shard_frames
+    from pfctl.models.exact_recompute import exact_recompute_encode
 
     cuda = args.device == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -210,20 +257,29 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
         reduce_fn, halo = distributed_exchange(device, dtype)
         plan = vae.chunk_plan(sizes[rank], args.chunk_frames)
         runs, moments = [], None
-        for gib in args.offload_above_gib:  # every rank runs the same budgets in the same order
+        for budget in _rank_budgets(args):  # every rank runs the same budgets in the same order
 
-            def encode(offload_above: int | None = _offload_bytes(gib)) -> torch.Tensor:
+            def encode(budget: Any = budget) -> torch.Tensor:
+                if args.schedule == "recompute":
+                    return exact_recompute_encode(
+                        vae,
+                        shard,
+                        plan,
+                        reduce_fn=reduce_fn,
+                        halo=halo,
+                        checkpoint_bytes=_checkpoint_bytes(budget),
+                    ).moments
                 return exact_chunked_encode(
-                    vae, shard, plan, reduce_fn=reduce_fn, halo=halo, offload_above=offload_above
+                    vae, shard, plan, reduce_fn=reduce_fn, halo=halo, offload_above=_offload_bytes(budget)
                 ).moments
 
-            seconds, peak, out = _timed(encode, device, args.repeats)
+            seconds, peak, out = _timed(encode, device, args.repeats, vae.module)
             out = out.cpu()
             if moments is None:
                 moments = out
-            elif not torch.equal(out, moments):  # offload moves bytes, never changes them
-                raise RuntimeError(f"rank {rank}: offload above {gib:g} GiB changed the latents")
-            runs.append({"offload_above_gib": gib, "seconds": seconds, "peak_gib": peak / GiB})
+            elif not torch.equal(out, moments):  # budgets move or recompute bytes, never change them
+                raise RuntimeError(f"rank {rank}: budget {budget} changed the latents")
+            runs.append({"budget": budget, "seconds": seconds, "peak_gib": peak / GiB})
             del out
         mine = {
             "rank": rank,
@@ -238,6 +294,11 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
             _report_ranks(args, gathered, module, vae, video, device, params, height, width)
     finally:
         dist.destroy_process_group()
+
+
+def _rank_budgets(args: argparse.Namespace) -> list[Any]:
+    """The budgets every rank runs: checkpoint budgets (recompute) or offload budgets (parked)."""
+    return list(args.checkpoint_gib) if args.schedule == "recompute" else list(args.offload_above_gib)
 
 
 def _report_ranks(
@@ -256,7 +317,9 @@ def _report_ranks(
 
     moments = torch.cat([g["moments"] for g in gathered], dim=2)
     x = video.to(device, next(vae.module.parameters()).dtype)
-    single = vae.encode_moments(x, chunking="exact", chunk_frames=args.chunk_frames).cpu()
+    single = vae.encode_moments(
+        x, chunking="exact", chunk_frames=args.chunk_frames, schedule=args.schedule
+    ).cpu()
     ref_mean = _fp32_reference_mean(module, video, device)
     whole = _errors(ref_mean, moments)
     vs_single = latent_metrics(single, moments)  # both moments: mean and log-variance
@@ -267,14 +330,15 @@ def _report_ranks(
         t = g["moments"].shape[2]
         errs.append(_errors(ref_mean[:, :, t0 : t0 + t], g["moments"]))
         t0 += t
-    for i, gib in enumerate(args.offload_above_gib):  # one block of rank rows per budget
+    for i, budget in enumerate(_rank_budgets(args)):  # one block of rank rows per budget
+        label = _checkpoint_label(budget) if args.schedule == "recompute" else _offload_label(budget)
         for g, err in zip(gathered, errs, strict=True):
             first, end = g["frames"]
             run = g["runs"][i]
             rows.append(
                 {
-                    "path": f"exact, rank {g['rank']} (frames {first}-{end - 1}), {_offload_label(gib)}",
-                    "offload_above_gib": gib,
+                    "path": f"exact {args.schedule}, rank {g['rank']} (frames {first}-{end - 1}), {label}",
+                    "budget": budget,
                     "seconds": run["seconds"],
                     "peak_gib": run["peak_gib"],
                     "plan": g["plan"],
@@ -318,6 +382,26 @@ def main() -> int:
         help="exact path: parked norm inputs beyond this many GiB on the device wait in host memory; a "
         "comma-separated list gives one row per value, e.g. 0.5,1,2,3 (default: 1 with one process, 0 "
         "with several; negative: no offload; write --offload-above-gib=-1,1 when a list starts negative)",
+    )
+    parser.add_argument(
+        "--checkpoint-gib",
+        type=_parse_checkpoint_list,
+        default=["all"],
+        help="exact recompute rows: checkpoint budget per row, a comma-separated list of all (no limit, "
+        "the default) or GiB, e.g. all,1,0",
+    )
+    parser.add_argument(
+        "--schedule",
+        default="recompute",
+        choices=["recompute", "parked"],
+        help="--nproc > 1: the exact schedule the ranks run (recompute: one row per --checkpoint-gib)",
+    )
+    parser.add_argument(
+        "--channels",
+        type=lambda t: [int(v) for v in t.split(",")],
+        default=None,
+        help="block_out_channels of the model (default: CogVideoX's 128,256,256,512; e.g. 32,64,64,128 "
+        "for a CPU run with the same structure)",
     )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()

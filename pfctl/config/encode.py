@@ -63,6 +63,15 @@ class EncodeConfig(Section):
     differs from one call for VAEs with GroupNorm over time); ``exact``: chunked but equal to one call."""
     chunk_frames: int | None = Field(default=None, ge=1)
     """Frames per temporal chunk (None = the adapter's default)."""
+    exact_schedule: Literal["recompute", "parked"] = "recompute"
+    """``chunking: exact`` on VAEs with GroupNorm over time (CogVideoX, HunyuanVideo): ``recompute``
+    (default) keeps no chunk's activations between its passes — at most the framewise path's memory
+    with its default 4-frame chunks, ~1.5x the convolutions; ``parked`` keeps them all at each norm —
+    less compute, about twice the framewise memory (CogVideoX only). Same latents either way (to float
+    rounding); trade-off in benchmarks/RESULTS.md."""
+    exact_checkpoint_gib: float | None = Field(default=None, ge=0)
+    """``recompute`` only: memory (GiB) for the checkpoint its passes restart from (None: no limit, at
+    most one whole-clip activation; 0: every pass from the clip — least memory, ~15-20x the compute)."""
     tile: int | None = Field(default=None, ge=32)
     """Spatial tile size in pixels for tiled encoding (None = no tiling)."""
     dtype: Literal["bf16", "fp32"] | None = None

@@ -52,10 +52,20 @@ class VerifyConfig(Section):
     """Chunk sizes swept (frames; rounded up to the VAE's temporal stride)."""
     exact_chunk_frames: int | None = Field(default=None, ge=1)
     """Chunk size of the exact chunked encode (None: the library's own chunk size)."""
+    exact_schedule: Literal["recompute", "parked"] = "recompute"
+    """How the exact encode gets whole-clip GroupNorm statistics: ``recompute`` (default) runs the chunks in
+    passes from a checkpoint, one pass per time-coupled norm, keeping no chunk's activations between
+    passes — at most the framewise path's memory with its default 4-frame chunks, ~1.5x the convolutions;
+    ``parked`` keeps every chunk's activation at each norm (less compute, about twice the framewise
+    memory; CogVideoX only). Same latents to float rounding. Trade-off: benchmarks/RESULTS.md."""
+    exact_checkpoint_gib: float | None = Field(default=None, ge=0)
+    """``recompute`` only: memory (GiB) for the checkpoint the passes restart from (None: no limit, at
+    most one whole-clip activation; less: the first chunks recompute from earlier, down to 0 — every
+    pass from the input clip, least memory, ~15-20x the compute)."""
     exact_offload_above_gib: float | None = Field(default=None, ge=0)
-    """GPU memory (GiB) for the exact encode's parked norm inputs before the rest wait in host memory
-    (None: all stay on the GPU). Lowers the exact encode's peak at some cost in time (copies back and
-    forth); use it when the exact encode does not fit (measured figures: benchmarks/RESULTS.md)."""
+    """``parked`` only: GPU memory (GiB) for the exact encode's parked norm inputs before the rest wait in
+    host memory (None: all stay on the GPU). Lowers the parked encode's peak at some cost in time
+    (copies back and forth; measured figures: benchmarks/RESULTS.md)."""
     dtypes: list[Literal["fp32", "bf16"]] = Field(default_factory=lambda: ["fp32", "bf16"])
     """fp32 is the reference; bf16 adds the noise floor F and the bf16 check of the library path."""
     decode: bool = True

@@ -456,6 +456,11 @@ def _prepare(config: RecipeConfig, runtime: Runtime, *, dry_run: bool) -> _Run:
     device = torch.device("cpu") if dry_run else runtime.device
     vae = with_fast_paths(load_vae(vae_spec, dtype=dtype, device=device), config.fast)
     cfg = config.encode
+    if hasattr(vae, "exact_schedule"):  # diffusers adapters: the exact encode's schedule
+        vae.exact_schedule = cfg.exact_schedule
+        vae.exact_checkpoint_bytes = (
+            None if cfg.exact_checkpoint_gib is None else int(cfg.exact_checkpoint_gib * 2**30)
+        )
     if manifest is not None:  # the embedded model: its trained size, frame rate and clip length
         cfg = setup.apply_model_settings(cfg, setup.model_encode_settings(manifest, vae.temporal_factor))
         config = config.model_copy(update={"encode": cfg})

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,12 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 never the size of the error of a trained model."""
 
 CHUNKINGS = ("none", "framewise", "exact")
+EXACT_SCHEDULES = ("recompute", "parked")
+"""Schedules of the exact chunked encode: ``recompute`` (:mod:`pfctl.models.exact_recompute`, the
+default: the framewise path's memory or less with its default smallest chunks, the first conv of
+every resnet computed twice) and ``parked``
+(:mod:`pfctl.models.exact_chunked`: every chunk's activation kept at each norm; less compute, about
+twice the memory; CogVideoX only)."""
 
 
 def _diffusers_class(class_name: str) -> type:
@@ -192,6 +199,78 @@ def _round_up(n: int, m: int) -> int:
     return max(m, -(-n // m) * m)
 
 
+def _repeat_first(h: torch.Tensor, k: int) -> torch.Tensor:
+    """Causal time padding of the clip's first chunk: k - 1 copies of frame 0 in front."""
+    return torch.cat([h[:, :, :1]] * (k - 1) + [h], dim=2)
+
+
+def _hunyuan_conv_patches(encoder: torch.nn.Module, engine: Any) -> list[tuple[torch.nn.Module, Callable]]:
+    """HunyuanVideo's causal convs with their time padding from the engine: replicate padding is separable,
+    so the spatial part is padded here and the time part (k - 1 copies of frame 0 on the first chunk,
+    the previous chunk's frames after) comes from ``engine.causal_input``."""
+    import torch.nn.functional as F
+    from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import HunyuanVideoCausalConv3d
+
+    patches: list[tuple[torch.nn.Module, Callable]] = []
+    for name, mod in encoder.named_modules():
+        if isinstance(mod, HunyuanVideoCausalConv3d):
+            if mod.pad_mode != "replicate":
+                raise ConfigError(
+                    f"exact chunking needs replicate-padded causal convs ({name}: {mod.pad_mode})"
+                )
+
+            def fwd(h: torch.Tensor, _m: Any = mod, _n: str = name) -> torch.Tensor:
+                k, stride = _m.conv.kernel_size[0], _m.conv.stride[0]
+                h = F.pad(h, (*_m.time_causal_padding[:4], 0, 0), mode="replicate")
+                if k > 1:
+                    h = engine.causal_input(_n, h, k, stride, partial(_repeat_first, k=k))
+                return _m.conv(h)
+
+            patches.append((mod, fwd))
+    return patches
+
+
+def _causal_frame_attention(attn: Any, engine: Any, index: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """HunyuanVideo's mid-block attention on one chunk: its GroupNorm with the clip's statistics, and each
+    of the chunk's frames attending to all frames up to itself, earlier chunks' keys and values from the
+    engine (the library's frame-causal mask, without materialising it)."""
+    import torch.nn.functional as F
+
+    def run(h: torch.Tensor) -> torch.Tensor:
+        B, _, T, H, W = h.shape
+        residual = h.permute(0, 2, 3, 4, 1).flatten(1, 3)
+        tokens = engine.group_norm(f"attn{index}.group_norm", attn.group_norm, h)
+        tokens = tokens.permute(0, 2, 3, 4, 1).flatten(1, 3)
+        heads = attn.heads
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.view(B, -1, heads, t.shape[-1] // heads).transpose(1, 2)
+
+        q = split(attn.to_q(tokens))
+        k = engine.prefix(f"attn{index}.key", split(attn.to_k(tokens)), dim=2)
+        v = engine.prefix(f"attn{index}.value", split(attn.to_v(tokens)), dim=2)
+        earlier = k.shape[2] - q.shape[2]
+        out = torch.cat(
+            [
+                F.scaled_dot_product_attention(
+                    q[:, :, t * H * W : (t + 1) * H * W],
+                    k[:, :, : earlier + (t + 1) * H * W],
+                    v[:, :, : earlier + (t + 1) * H * W],
+                )
+                for t in range(T)
+            ],
+            dim=2,
+        )
+        out = out.transpose(1, 2).reshape(B, -1, heads * q.shape[-1]).to(q.dtype)
+        out = attn.to_out[1](attn.to_out[0](out))
+        if attn.residual_connection:
+            out = out + residual
+        out = out / attn.rescale_output_factor
+        return out.unflatten(1, (T, H, W)).permute(0, 4, 1, 2, 3)
+
+    return run
+
+
 class DiffusersVideoVAE:
     """The VideoVAE interface over one diffusers video VAE instance (see the module docstring)."""
 
@@ -214,6 +293,10 @@ class DiffusersVideoVAE:
         #: bytes of parked norm inputs the exact encode keeps on the GPU before it offloads the rest to
         #: host memory (``offload_above`` of ``exact_chunked_encode``); None = keep everything on the GPU
         self.exact_offload_above: int | None = None
+        #: schedule of chunking="exact" (one of EXACT_SCHEDULES)
+        self.exact_schedule = "recompute"
+        #: bytes the recompute schedule may keep across passes (``checkpoint_bytes``); None = no limit
+        self.exact_checkpoint_bytes: int | None = None
 
     # ------------------------------------------------------------------ shape facts
     def _factors(self) -> tuple[int, int]:
@@ -408,10 +491,24 @@ class DiffusersVideoVAE:
         )
 
     def _encode_exact(self, x: torch.Tensor, chunk_frames: int | None, **kw: Any) -> torch.Tensor:
-        if self.family == "cogvideox":
+        if self.uses_exact_engine:
+            schedule = kw.pop("schedule", self.exact_schedule)
+            plan = self.exact_plan(x.shape[2], chunk_frames, schedule)
+            if schedule == "recompute":
+                from pfctl.models.exact_recompute import exact_recompute_encode
+
+                kw.setdefault("checkpoint_bytes", self.exact_checkpoint_bytes)
+                return exact_recompute_encode(self, x, plan, **kw).moments
+            if schedule != "parked":
+                raise ConfigError(f"exact schedule '{schedule}' is not one of {', '.join(EXACT_SCHEDULES)}")
+            if self.family == "hunyuan":
+                raise ConfigError(
+                    "exact schedule 'parked' is not available for AutoencoderKLHunyuanVideo (its mid-block "
+                    "attention spans all earlier frames)",
+                    hint="use exact_schedule 'recompute'",
+                )
             from pfctl.models.exact_chunked import exact_chunked_encode
 
-            plan = self.chunk_plan(x.shape[2], chunk_frames)
             kw.setdefault("offload_above", self.exact_offload_above)
             return exact_chunked_encode(self, x, plan, **kw).moments
         if self.family == "wan":  # every norm is channel-only: the cached framewise path is already exact
@@ -421,11 +518,21 @@ class DiffusersVideoVAE:
             hint="its encoder attends over time or its framewise path carries no conv cache; use 'none'",
         )
 
-    # ---- hooks for pfctl.models.exact_chunked (layer-synchronous chunked encode)
+    # ---- hooks for pfctl.models.exact_chunked / exact_recompute (exact chunked encode)
     @property
     def uses_exact_engine(self) -> bool:
-        """True when chunking="exact" needs the layer-synchronous engine (time-coupled GroupNorms)."""
-        return self.family == "cogvideox"
+        """True when chunking="exact" needs an exact schedule (time-coupled GroupNorms)."""
+        return self.family in ("cogvideox", "hunyuan")
+
+    def exact_plan(
+        self, num_frames: int, chunk_frames: int | None = None, schedule: str | None = None
+    ) -> list[int]:
+        """Chunk plan of chunking="exact": ``chunk_frames`` when given, else the library's chunks for the
+        parked schedule and the smallest aligned chunks for recompute (its peak is one chunk's working
+        set plus the checkpoint, so small chunks are what keep it at or under the framewise path's)."""
+        if chunk_frames is None and (schedule or self.exact_schedule) == "recompute":
+            chunk_frames = self.chunk_align()
+        return self.chunk_plan(num_frames, chunk_frames)
 
     def exact_chunk_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """Runs the encoder on one chunk *without* the library's cache (the exact engine carries it)."""
@@ -437,8 +544,41 @@ class DiffusersVideoVAE:
 
         return run
 
+    def exact_stages(self, engine: Any) -> list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
+        """The encoder and quant_conv as a list of (name, fn on one chunk) whose composition is the
+        one-call encode: conv_in, every resnet and downsampler, the mid block's parts, the tail."""
+        m, enc = self.module, self.module.encoder
+        cog = self.family == "cogvideox"
+
+        def first(mod: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+            return (lambda h: mod(h)[0]) if cog else mod
+
+        stages = [("conv_in", first(enc.conv_in))]
+        for i, block in enumerate(enc.down_blocks):
+            stages += [(f"down_blocks.{i}.resnets.{j}", first(r)) for j, r in enumerate(block.resnets)]
+            stages += [
+                (f"down_blocks.{i}.downsamplers.{j}", d) for j, d in enumerate(block.downsamplers or [])
+            ]
+        mid = enc.mid_block
+        attns = [None] * (len(mid.resnets) - 1) if cog else list(mid.attentions)
+        stages.append(("mid_block.resnets.0", first(mid.resnets[0])))
+        for j, (attn, resnet) in enumerate(zip(attns, mid.resnets[1:], strict=True)):
+            if attn is not None:
+                stages.append((f"mid_block.attentions.{j}", _causal_frame_attention(attn, engine, j)))
+            stages.append((f"mid_block.resnets.{j + 1}", first(resnet)))
+        norm_out = enc.norm_out if cog else enc.conv_norm_out
+
+        def tail(h: torch.Tensor) -> torch.Tensor:
+            h = first(enc.conv_out)(enc.conv_act(norm_out(h)))
+            return m.quant_conv(h) if m.quant_conv is not None else h
+
+        stages.append(("tail", tail))
+        return stages
+
     def exact_patches(self, engine: Any) -> list[tuple[torch.nn.Module, Callable[..., Any]]]:
         """(module, replacement forward) pairs that route causal-conv padding through the engine."""
+        if self.family == "hunyuan":
+            return _hunyuan_conv_patches(self.module.encoder, engine)
         from diffusers.models.autoencoders.autoencoder_kl_cogvideox import CogVideoXCausalConv3d
 
         patches: list[tuple[torch.nn.Module, Callable[..., Any]]] = []
@@ -450,9 +590,7 @@ class DiffusersVideoVAE:
                 def fwd(inputs: torch.Tensor, conv_cache: Any = None, _m: Any = mod, _n: str = name) -> Any:
                     k = _m.time_kernel_size
                     if k > 1:
-                        inputs = engine.causal_input(
-                            _n, inputs, k, 1, lambda h, k=k: torch.cat([h[:, :, :1]] * (k - 1) + [h], dim=2)
-                        )
+                        inputs = engine.causal_input(_n, inputs, k, 1, partial(_repeat_first, k=k))
                     return _m.conv(inputs), None
 
                 patches.append((mod, fwd))

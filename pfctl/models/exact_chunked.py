@@ -2,7 +2,9 @@
 
 Why: chunked ("framewise") encoding with a causal-conv cache is exact for every op except a norm whose
 reduction spans T. Such a norm needs the statistics of the *whole* clip at its own depth, which exist only
-after every chunk has reached it. The schedule here is layer-synchronous (SPEC-verify-groupnorm §5 (a)):
+after every chunk has reached it. The schedule here (``exact_schedule="parked"``) is layer-synchronous
+(SPEC-verify-groupnorm §5 (a)); :mod:`pfctl.models.exact_recompute` (``"recompute"``, the default) reuses
+its statistics and normalisation but recomputes instead of parking. The parked schedule:
 
 - every chunk runs up to the next time-coupled GroupNorm and stops there;
 - pass A: each chunk adds its per-(sample, group) sums (N, Σx, Σx²) in float64 — built from fp32 Welford
@@ -514,13 +516,13 @@ class LayerSyncEngine:
 
 
 # ---------------------------------------------------------------------------------------- patching
-class _Patched:
+class PatchedForwards:
     """Temporarily replace ``forward`` of some modules (instance attribute; restored on exit)."""
 
     def __init__(self, pairs: Sequence[tuple[nn.Module, Callable[..., Any]]]) -> None:
         self.pairs = list(pairs)
 
-    def __enter__(self) -> _Patched:
+    def __enter__(self) -> PatchedForwards:
         for mod, fn in self.pairs:
             mod.__dict__["forward"] = fn
         return self
@@ -530,8 +532,9 @@ class _Patched:
             mod.__dict__.pop("forward", None)
 
 
-def group_norm_patches(root: nn.Module, engine: LayerSyncEngine) -> list[tuple[nn.Module, Callable]]:
-    """Route every nn.GroupNorm under ``root`` that receives a video tensor (5D) through the engine.
+def group_norm_patches(root: nn.Module, engine: Any) -> list[tuple[nn.Module, Callable]]:
+    """Route every nn.GroupNorm under ``root`` that receives a video tensor (5D) through the engine
+    (anything with ``group_norm(name, module, x)``: this module's engine or the recompute one).
 
     4D/3D inputs (time folded into the batch) are per-frame already and keep the library's forward, and
     so do GroupNorm subclasses that override ``forward``.
@@ -586,7 +589,7 @@ def layer_synchronous_forward(
     pairs = group_norm_patches(norm_root, engine)
     if extra_patches is not None:
         pairs += extra_patches(engine)
-    with _Patched(pairs):
+    with PatchedForwards(pairs):
         outs = engine.run([lambda c=c: chunk_fn(c) for c in chunks])
     return ExactResult(
         moments=torch.cat(outs, dim=2),

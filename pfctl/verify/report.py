@@ -246,7 +246,8 @@ def _render_footer(report: GroupNormReport, console: Any) -> None:
         console.print(
             f"[bold]peak memory[/] ({m['method']}; {m['frames']} frames): one-call "
             f"{_mib(m.get('one_call_bytes'))}, exact {_mib(m.get('exact_bytes'))} (ratio {ratio}); "
-            f"activations held at norm boundaries by the exact engine: {_mib(m.get('exact_held_bytes'))}"
+            f"activations the exact schedule kept across chunks (parked norm inputs or checkpoint): "
+            f"{_mib(m.get('exact_held_bytes'))}"
         )
     for p in report.paths:
         for r in p.reasons:

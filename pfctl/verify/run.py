@@ -171,8 +171,10 @@ def _prepare(config: RecipeConfig, progress: Progress) -> _Run:
     device = resolve_device(vc.device or config.runtime.device)
     progress(f"loading VAE {vc.vae or 'default'}", 0, None)
     vae, spec, notes = load_any_vae(vc.vae, device=device, seed=vc.seed)
-    if vc.exact_offload_above_gib is not None and hasattr(vae, "exact_offload_above"):
-        vae.exact_offload_above = int(vc.exact_offload_above_gib * 2**30)
+    if hasattr(vae, "exact_schedule"):
+        vae.exact_schedule = vc.exact_schedule
+        vae.exact_checkpoint_bytes = _gib_bytes(vc.exact_checkpoint_gib)
+        vae.exact_offload_above = _gib_bytes(vc.exact_offload_above_gib)
     kind = weights_kind(spec)
     if kind != "user":
         notes.append(EMBEDDED_NOTE if kind == "trained-embedded" else RANDOM_NOTE)
@@ -243,6 +245,8 @@ def _observed_plan(run: _Run, spec: _PathSpec, calls: list[int]) -> list[int]:
     """Frames per encoder call of this path: the adapter's own plan when it has one (tiles overlap, so
     calls do not add up), else what the encoder was seen to receive."""
     T = run.x.shape[2]
+    if spec.chunking == "exact" and hasattr(run.vae, "exact_plan"):
+        return list(run.vae.exact_plan(T, spec.chunk_frames))
     if hasattr(run.vae, "chunk_plan"):
         return list(run.vae.chunk_plan(T, spec.chunk_frames))
     return calls if sum(calls) == T else [T]
@@ -368,14 +372,24 @@ def _memory(run: _Run, paths: list[PathResult]) -> dict[str, Any] | None:
     }
 
 
+def _gib_bytes(gib: float | None) -> int | None:
+    return None if gib is None else int(gib * 2**30)
+
+
 def _exact_result(vae: Any, x: torch.Tensor, chunk_frames: int | None) -> int | None:
-    """Run the exact encode once (for memory) and return the bytes the engine held at norm boundaries."""
+    """Run the exact encode once (for memory) and return the bytes its schedule kept across chunks:
+    norm inputs held at norm boundaries (``parked``) or the checkpoint between passes (``recompute``)."""
     if getattr(vae, "uses_exact_engine", False):
+        plan = list(vae.exact_plan(x.shape[2], chunk_frames))
+        if vae.exact_schedule == "recompute":
+            from pfctl.models.exact_recompute import exact_recompute_encode
+
+            return exact_recompute_encode(
+                vae, x, plan, checkpoint_bytes=vae.exact_checkpoint_bytes
+            ).peak_checkpoint_bytes
         from pfctl.models.exact_chunked import exact_chunked_encode
 
-        plan = list(vae.chunk_plan(x.shape[2], chunk_frames))
-        res = exact_chunked_encode(vae, x, plan, offload_above=getattr(vae, "exact_offload_above", None))
-        return res.peak_held_bytes
+        return exact_chunked_encode(vae, x, plan, offload_above=vae.exact_offload_above).peak_held_bytes
     vae.encode(x, chunking="exact", chunk_frames=chunk_frames)
     return None
 

@@ -106,7 +106,8 @@ def test_exit_2_on_usage_errors(tmp_path):
 def test_exact_offload_budget_gives_the_same_exact_encode(tmp_path):
     """verify.exact_offload_above_gib=0 parks every norm input in host memory: same exact path numbers."""
     runs = {}
-    for name, extra in (("gpu", []), ("offload", ["--set", "verify.exact_offload_above_gib=0"])):
+    parked = ["--set", "verify.exact_schedule=parked"]
+    for name, extra in (("gpu", parked), ("offload", [*parked, "--set", "verify.exact_offload_above_gib=0"])):
         out = tmp_path / f"{name}.json"
         res = _invoke(
             ["--vae", "cogvideox-tiny", *SMALL, "--set", "verify.dtypes=[fp32]", *extra, "--json", str(out)]
