@@ -4,13 +4,12 @@ GroupNorm statistics are all-reduced, causal-conv halos go from rank 0 to rank 1
 from __future__ import annotations
 
 import multiprocessing
-import socket
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers.ranks import record_errors, run_ranks
 from pfctl.models.diffusers_vae import load_diffusers_vae
 from pfctl.verify.synthetic import synthetic_clip
 
@@ -24,7 +23,7 @@ def _rank(rank: int, world: int, port: int, out: Path) -> None:
 
     from pfctl.models.exact_chunked import distributed_exchange, exact_chunked_encode, shard_frames
 
-    try:
+    with record_errors(rank, out):
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         vae = load_diffusers_vae("cogvideox-tiny")
@@ -40,15 +39,6 @@ def _rank(rank: int, world: int, port: int, out: Path) -> None:
         if rank == 0:
             torch.save(torch.cat(parts, dim=2), out / "moments.pt")
         dist.destroy_process_group()
-    except BaseException:
-        (out / f"error{rank}.txt").write_text(traceback.format_exc())
-        raise
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="needs fork")
@@ -58,20 +48,7 @@ def test_two_processes_match_the_single_process_exact_encode(tmp_path):
     single = cog.encode_moments(clip, chunking="exact", chunk_frames=CHUNK)
     one_call = cog.encode_moments(clip)
 
-    ctx = multiprocessing.get_context("fork")
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, tmp_path)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    errors = [f.read_text() for f in sorted(tmp_path.glob("error*.txt"))]
-    assert not errors, "\n".join(errors)
-    assert [p.exitcode for p in procs] == [0, 0]
+    run_ranks(_rank, 2, tmp_path, timeout=60)
 
     gathered = torch.load(tmp_path / "moments.pt")
     assert gathered.shape == single.shape

@@ -6,14 +6,13 @@ reused rather than sent again."""
 from __future__ import annotations
 
 import multiprocessing
-import socket
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers.ranks import record_errors, run_ranks
 from helpers.tolerance import assert_rounding_close
 from pfctl.models.diffusers_vae import load_diffusers_vae
 from pfctl.verify.synthetic import synthetic_clip
@@ -32,7 +31,7 @@ def _rank(rank: int, world: int, port: int, out: Path) -> None:
     from pfctl.models.exact_chunked import distributed_exchange, shard_frames
     from pfctl.models.exact_recompute import exact_recompute_encode
 
-    try:
+    with record_errors(rank, out):
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         reduce_fn, halo = distributed_exchange(torch.device("cpu"), torch.float32)
@@ -54,35 +53,13 @@ def _rank(rank: int, world: int, port: int, out: Path) -> None:
             if rank == 0:
                 torch.save(parts, out / f"{name}.pt")
         dist.destroy_process_group()
-    except BaseException:
-        (out / f"error{rank}.txt").write_text(traceback.format_exc())
-        raise
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
 @pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="needs fork")
 def test_two_processes_match_one_call_and_one_process(tmp_path):
     clip = synthetic_clip(FRAMES, SIZE, SIZE).video
-    ctx = multiprocessing.get_context("fork")
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, tmp_path)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(240)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    errors = [f.read_text() for f in sorted(tmp_path.glob("error*.txt"))]
-    assert not errors, "\n".join(errors)
-    assert [p.exitcode for p in procs] == [0, 0]
+    run_ranks(_rank, 2, tmp_path, timeout=240)
 
     for name in MODELS:
         vae = load_diffusers_vae(name)
