@@ -114,12 +114,9 @@ def write_official_folder(
             **dict(provenance),
         }
         atomic_write_json(staging / PROVENANCE, record)
-        if replace:
-            replace_dir(staging, out)
-        elif out.exists():  # appeared while we wrote
+        if out.exists() and not replace:  # appeared while we wrote
             raise CheckpointError(f"{out} exists; refusing to overwrite it", hint="choose a new output folder")
-        else:
-            os.rename(staging, out)
+        replace_dir(staging, out)  # renamed into place, with the mode a plain mkdir gives (umask)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)

@@ -7,6 +7,8 @@ come from the reference vectors' ``real_size_state_dict_shapes.json`` (read, nev
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -72,6 +74,16 @@ def test_export_writes_the_official_tree_with_the_ema_weights(export, base, tmp_
     provenance = json.loads((out / PROVENANCE).read_text())
     assert provenance["weights"] == "ema" and provenance["steps"] == 7
     assert provenance["base_model_path"] == str(base.resolve())
+
+
+def test_the_folder_honours_the_umask(export, tmp_path):
+    old = os.umask(0o027)
+    try:
+        out = export_official(export, tmp_path / "o").output_dir
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o750
+    assert stat.S_IMODE((out / PROVENANCE).stat().st_mode) == 0o640
 
 
 def test_no_ema_and_dtype_and_variant(export, tmp_path):
