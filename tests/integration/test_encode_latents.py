@@ -512,6 +512,24 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _kill_and_expect_gone(proc: subprocess.Popen, workers: list[int], within: float) -> None:
+    """SIGKILL the parent ``proc``; each of its decode ``workers`` must be gone within ``within`` seconds."""
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + within
+    while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [w for w in workers if _alive(w)]
+
+
+def _reap(proc: subprocess.Popen, workers: list[int]) -> None:
+    """Whatever the test's outcome, leave no process of it behind."""
+    proc.kill()
+    for w in workers:
+        if _alive(w):
+            os.kill(w, signal.SIGKILL)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal and /proc are Linux")
 def test_decode_workers_die_with_a_killed_parent(tmp_path: Path) -> None:
@@ -525,17 +543,9 @@ def test_decode_workers_die_with_a_killed_parent(tmp_path: Path) -> None:
             time.sleep(0.1)
         assert len(workers) == 2, "the decode workers did not start"
         time.sleep(1.0)  # both are inside their decode now
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-        deadline = time.monotonic() + 5
-        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not [w for w in workers if _alive(w)]
+        _kill_and_expect_gone(proc, workers, within=5)
     finally:
-        proc.kill()
-        for w in workers:
-            if _alive(w):
-                os.kill(w, signal.SIGKILL)
+        _reap(proc, workers)
 
 
 @pytest.mark.slow
@@ -554,14 +564,6 @@ def test_kill_9_of_encode_latents_leaves_no_decode_worker(corpus: Path, tmp_path
         while len(workers := _children(proc.pid)) < 2 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.1)
         assert len(workers) == 2, "the decode workers did not start"
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-        deadline = time.monotonic() + 3
-        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not [w for w in workers if _alive(w)]
+        _kill_and_expect_gone(proc, workers, within=3)
     finally:
-        proc.kill()
-        for w in workers:
-            if _alive(w):
-                os.kill(w, signal.SIGKILL)
+        _reap(proc, workers)
