@@ -25,7 +25,8 @@ PALETTE = (
 INK, GRID, PAPER = (20, 20, 20), (225, 225, 225), (255, 255, 255)
 
 
-def _font(size: int):
+def builtin_font(size: int):  # -> PIL.ImageFont
+    """Pillow's built-in font at ``size`` pixels (one fixed bitmap size before Pillow 10.1)."""
     from PIL import ImageFont
 
     try:
@@ -124,7 +125,7 @@ def line_chart(
     def px(x: float, y: float) -> tuple[float, float]:
         return (left + (x - x_lo) / (x_hi - x_lo) * (right - left), bottom - (y - y_lo) / (y_hi - y_lo) * (bottom - top))
 
-    small, big = _font(14), _font(18)
+    small, big = builtin_font(14), builtin_font(18)
     for t in _ticks(y_lo, y_hi):
         y = px(x_lo, t)[1]
         draw.line([(left, y), (right, y)], fill=GRID)
@@ -186,7 +187,7 @@ def contact_sheet(
     sheet_w = gap + frames * (max([w_ for w_, _ in widths], default=cell) + gap)
     img = Image.new("RGB", (max(sheet_w, 480), head + sum(row_h) + gap), PAPER)
     draw = ImageDraw.Draw(img)
-    small, big = _font(14), _font(18)
+    small, big = builtin_font(14), builtin_font(18)
     draw.text((img.width / 2, 10), _printable(title), font=big, fill=INK, anchor="mt")
     y = head
     for (label, video), (cw, ch), rh in zip(rows, widths, row_h, strict=True):

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from pfctl.utils.plot import builtin_font
 from pfctl.verify.report import GroupNormReport, path_label
 
 COLOURS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75)]
@@ -39,15 +40,6 @@ class _Box:
     def x(self, frame: float, num_frames: int) -> int:
         span = self.right - self.left - 2 * self.pad
         return round(self.left + self.pad + frame * span / max(num_frames - 1, 1))
-
-
-def _font(size: int) -> Any:
-    from PIL import ImageFont
-
-    try:
-        return ImageFont.load_default(size=size)  # Pillow >= 10.1: a scalable built-in font
-    except TypeError:
-        return ImageFont.load_default()
 
 
 def latent_boundaries(plan: list[int], temporal_factor: int) -> list[int]:
@@ -124,7 +116,7 @@ def plot_per_frame_error(report: GroupNormReport, width: int = 900, height: int 
 
     image = Image.new("RGB", (width, height), (255, 255, 255))
     draw = ImageDraw.Draw(image)
-    font, title_font = _font(12), _font(15)
+    font, title_font = builtin_font(12), builtin_font(15)
     vae, verdict = report.vae, report.audit["verdict"]
     title = (
         f"verify-groupnorm: {vae['name']} ({vae['spec']}), verdict {verdict}, result {report.status.upper()}"
