@@ -330,7 +330,9 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
     # as pfctl generate applies its fast paths and compiles (automatic dynamic shapes); the first timed run
     # pays the compilation
     apply_fast_paths(dit, FastPaths(compile=args.compile and cuda, dynamic=None))
-    vae = with_fast_paths(load_vae(str(folder / "causal_video_vae"), dtype=dtype, device=device), FastPathsConfig())
+    vae = with_fast_paths(
+        load_vae(str(folder / "causal_video_vae"), dtype=dtype, device=device), FastPathsConfig()
+    )
     conditioning = TextConditioning.from_pair(positive, negative)
     settings = SamplingSettings(
         num_inference_steps=tuple(steps[0]),
@@ -440,6 +442,102 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
     return result
 
 
+REFERENCE_ADAMW = {"lr": 1e-4, "weight_decay": 1e-4, "eps": 1e-8, "betas": (0.9, 0.999)}
+"""The AdamW settings of both sides of the train comparison."""
+
+
+class ReferenceTraining:
+    """The reference's own training step (its temporal-pyramid noising of the latents, DiT, loss, AdamW from
+    its ``trainer_misc``), fp32 master weights with bf16 autocast on CUDA, gradient clipping at 1.0, on random
+    latents of ``batch`` clips x ``frames`` x ``latent_hw``; rank 0 of a sync group of ``group``. With a
+    ``checkpointing_ratio`` its DiT recomputes that share of its blocks (the reference's own
+    ``gradient_checkpointing_ratio``)."""
+
+    def __init__(
+        self,
+        Reference: type,
+        folder: Path,
+        text: RandomTextEncoder,
+        device: torch.device,
+        *,
+        frames: int,
+        latent_hw: tuple[int, int],
+        group: int,
+        batch: int,
+        checkpointing_ratio: float | None = None,
+    ) -> None:
+        self.device = device
+        positive, negative = text.encode([PROMPT] * batch), text.encode([""])
+        self.positive = positive
+        gen = torch.Generator().manual_seed(0)
+        self.latents = torch.randn(batch, 16, frames, *latent_hw, generator=gen).to(device)
+        ckpt = {} if checkpointing_ratio is None else {
+            "use_gradient_checkpointing": True, "gradient_checkpointing_ratio": checkpointing_ratio,
+        }  # fmt: skip
+        self.ref = ref = open_reference(
+            Reference, folder, device, load_vae=False, use_mixed_training=True, max_temporal_length=frames,
+            frame_per_unit=1, sample_ratios=[1, 2, 1], stages=[1, 2, 4], video_sync_group=group, **ckpt,
+        )  # fmt: skip
+        ref.dit.to(device).train()
+        ref.null_text_embeds = {
+            "prompt_embed": negative.prompt_embeds[0],
+            "prompt_attention_mask": negative.prompt_attention_mask[0],
+            "pooled_prompt_embed": negative.pooled_prompt_embeds[0],
+        }
+        self.opt = importlib.import_module("trainer_misc").create_optimizer(  # the reference's own AdamW
+            types.SimpleNamespace(
+                opt="adamw", lr=REFERENCE_ADAMW["lr"], weight_decay=REFERENCE_ADAMW["weight_decay"],
+                opt_eps=REFERENCE_ADAMW["eps"], opt_beta1=REFERENCE_ADAMW["betas"][0],
+                opt_beta2=REFERENCE_ADAMW["betas"][1],
+            ),
+            ref.dit,
+        )  # fmt: skip
+
+    def record(self, inputs: list[dict], targets: list[list[torch.Tensor]]) -> None:
+        """Append every DiT input and loss target the reference builds to ``inputs`` / ``targets``."""
+        ref = self.ref
+        ref.dit.register_forward_pre_hook(
+            lambda _m, _a, kw: inputs.append(
+                {k: v.copy() if isinstance(v, list) else v for k, v in kw.items()}
+            ),
+            with_kwargs=True,
+        )
+        calculate_loss = ref.calculate_loss
+
+        def recording_loss(preds, targets_list):
+            targets.append([t.detach() for t in targets_list])
+            return calculate_loss(preds, targets_list)
+
+        ref.calculate_loss = recording_loss
+
+    def step(self) -> float:
+        accelerator = types.SimpleNamespace(autocast=lambda: autocast(self.device))  # all its call uses
+        batch_text = {
+            "prompt_embeds": self.positive.prompt_embeds.clone(),
+            "prompt_attention_mask": self.positive.prompt_attention_mask.clone(),
+            "pooled_prompt_embeds": self.positive.pooled_prompt_embeds.clone(),
+        }
+        with autocast(self.device):
+            loss, _ = self.ref(
+                self.latents.clone(), batch_text, identifier=["video"], accelerator=accelerator
+            )
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.ref.dit.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    def run(self, steps: int) -> list[tuple]:
+        """``steps`` timed steps: (loss, seconds, peak GiB) each."""
+        return [_timed(self.step, self.device) for _ in range(steps)]
+
+    def close(self) -> None:
+        """Free the reference's model and optimizer (and the GPU memory they held)."""
+        self.ref.dit = self.opt = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.device) -> dict:
     """Training steps on identical inputs, both starting from the same weights.
 
@@ -470,76 +568,17 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
     # compiled: the first steps compile; CUDA graphs: each input shape is recorded at its second step
     warmup = min(6 if graphs else 3 if compiled else 2, steps - 1) if cuda else 1
     folder, dit_params, text = prepare_checkpoint(device, torch.float32, None)
-    positive, negative = text.encode([PROMPT] * 4), text.encode([""])
-    gen = torch.Generator().manual_seed(0)
-    latents = torch.randn(4, 16, frames, latent_h, latent_w, generator=gen).to(device)  # columns [1, 2, 1]
-
-    # --- the reference's own step, recording what its DiT and loss receive
-    ref = open_reference(
-        Reference,
-        folder,
-        device,
-        load_vae=False,
-        use_mixed_training=True,
-        max_temporal_length=frames,
-        frame_per_unit=1,
-        sample_ratios=[1, 2, 1],
-        stages=[1, 2, 4],
-        video_sync_group=group,
-    )
-    ref.dit.to(device).train()
-    ref.null_text_embeds = {
-        "prompt_embed": negative.prompt_embeds[0],
-        "prompt_attention_mask": negative.prompt_attention_mask[0],
-        "pooled_prompt_embed": negative.pooled_prompt_embeds[0],
-    }
-    accelerator = types.SimpleNamespace(autocast=lambda: autocast(device))  # all the reference's call uses
     inputs: list[dict] = []
     targets: list[list[torch.Tensor]] = []
-    ref.dit.register_forward_pre_hook(
-        lambda _m, _a, kw: inputs.append({k: v.copy() if isinstance(v, list) else v for k, v in kw.items()}),
-        with_kwargs=True,
+    ref = ReferenceTraining(
+        Reference, folder, text, device, frames=frames, latent_hw=(latent_h, latent_w), group=group, batch=4
     )
-    calculate_loss = ref.calculate_loss
-
-    def recording_loss(preds, targets_list):
-        targets.append([t.detach() for t in targets_list])
-        return calculate_loss(preds, targets_list)
-
-    ref.calculate_loss = recording_loss
-    optimizer_args = {"lr": 1e-4, "weight_decay": 1e-4, "eps": 1e-8, "betas": (0.9, 0.999)}
-    ref_opt = importlib.import_module("trainer_misc").create_optimizer(  # the reference's own AdamW set-up
-        types.SimpleNamespace(
-            opt="adamw",
-            lr=optimizer_args["lr"],
-            weight_decay=optimizer_args["weight_decay"],
-            opt_eps=optimizer_args["eps"],
-            opt_beta1=optimizer_args["betas"][0],
-            opt_beta2=optimizer_args["betas"][1],
-        ),
-        ref.dit,
-    )
-
-    def ref_step() -> float:
-        batch_text = {
-            "prompt_embeds": positive.prompt_embeds.clone(),
-            "prompt_attention_mask": positive.prompt_attention_mask.clone(),
-            "pooled_prompt_embeds": positive.pooled_prompt_embeds.clone(),
-        }
-        with autocast(device):
-            loss, _ = ref(latents.clone(), batch_text, identifier=["video"], accelerator=accelerator)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.dit.parameters(), 1.0)
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    ref_runs = [_timed(ref_step, device) for _ in range(steps)]
+    ref.record(inputs, targets)
+    ref_runs = ref.run(steps)
     print(f"reference: {steps} steps, median step {statistics.median(r[1] for r in ref_runs[warmup:]):.3f} s")
     ref_peak = max((r[2] or 0.0) for r in ref_runs) if cuda else None
-    ref.dit = ref_opt = None
-    if cuda:
-        torch.cuda.empty_cache()
+    ref.close()
+    optimizer_args = REFERENCE_ADAMW
 
     # --- pfctl on the recorded inputs, once per variant (attention backend, compiled blocks or not)
     def image_tokens(sample: torch.Tensor | list) -> int:  # patch 2: (H/2)(W/2) tokens per frame

@@ -29,6 +29,8 @@ What it prints (per process, the slowest / the mean over processes):
     python benchmarks/bench_train.py                                    # CPU tiny
     python benchmarks/bench_train.py --device cuda                      # H200: miniFLUX 384p, 16 frames
     python benchmarks/bench_train.py --recipe pyramid-flux-768p-8gpu    # the recipe, on every GPU here
+    python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 \\
+        --reference third_party/Pyramid-Flow                            # side by side, one GPU
     python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --device cpu \\
         --set model.dit_preset=tiny --frames 2 --height 8 --width 8     # CPU smoke run
 """
@@ -153,6 +155,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="train.cuda_graphs (compiled blocks as CUDA graphs; with --compile)",
     )
     parser.add_argument("--skip-future-keys", action="store_true", help="train.skip_future_keys")
+    parser.add_argument(
+        "--reference",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also time the reference's own training step (a jy0205/Pyramid-Flow clone, e.g. "
+        "third_party/Pyramid-Flow) in the same configuration, after pfctl's (one process)",
+    )
     return parser.parse_args(argv)  # fmt: skip
 
 
@@ -194,9 +204,10 @@ def plan_setting(args: argparse.Namespace, world: int) -> tuple[Any, Setting]:
     else:
         frames = args.frames or (16 if cuda else 4)
         height, width = args.height or (48 if cuda else 8), args.width or (80 if cuda else 8)
-    # CUDA graphs: every new shape is recorded at its second occurrence, and the pyramid's shapes cycle
-    steps = args.steps or (10 if cuda else 20)
-    warmup = args.warmup if args.warmup is not None else (12 if args.cuda_graphs else 3)
+    # compiled blocks as CUDA graphs (the CUDA default): every new shape is recorded at its second occurrence,
+    # and the pyramid's shapes cycle
+    steps = args.steps or 20
+    warmup = args.warmup if args.warmup is not None else (20 if cuda else 3)
     flags = {
         "runtime.device": "cuda" if cuda else "cpu",
         "runtime.mixed_precision": None if cuda else "no",  # the CPU runs fp32 (its eager path)
@@ -412,7 +423,7 @@ def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tup
         ("batch per rank", f"{cfg.batch_size} clips x {cfg.grad_accum} micro-steps, sync group {cfg.video_sync_group}"),
         ("precision", trainer.runtime.mixed_precision),
         ("fsdp / gradient checkpointing", f"{cfg.fsdp} / {cfg.gradient_checkpointing_ratio if cfg.gradient_checkpointing else 'off'}"),
-        ("attention / compile / cuda graphs", f"{cfg.attention} / {cfg.compile} / {cfg.cuda_graphs}"),
+        ("attention / compile / cuda graphs (settled)", f"{cfg.attention} / {cfg.compile} / {cfg.cuda_graphs}"),
         ("steps timed (warmup)", f"{setting.steps} ({setting.warmup})"),
         ("steady step time (median)", f"{step_s * 1e3:.1f} ms"),
         ("time to steady state", f"{steady_s:.1f} s (step {steady_step}: median of {STEADY_WINDOW} within {STEADY_WITHIN:.0%})"),
@@ -428,7 +439,50 @@ def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tup
         ("peak memory", f"{peak:.2f} GiB " + ("allocated" if setting.cuda else "RSS")),
         ("checkpoint save (not timed above)", f"{checkpoint_s:.2f} s"),
         ("last loss", f"{t.metrics['loss']:.4f}"),
+        ("step times (s, in order)", " ".join(f"{x:.2f}" for x in step_max)),
     ]  # fmt: skip
+
+
+def reference_rows(root: Path, config: Any, setting: Setting, ours: dict[str, str]) -> list[tuple[str, str]]:
+    """The reference's own step (``bench_reference.ReferenceTraining``) in the run's configuration: its batch,
+    latents, sync group (rank 0) and checkpointing ratio, the same random-weight DiT architecture; compared by
+    image tokens per second (the reference makes one micro-batch per step, pfctl ``grad_accum``)."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_reference as br
+
+    cfg, device = config.train, torch.device("cuda" if setting.cuda else "cpu")
+    Reference, _ = br.import_reference(root.resolve())
+    folder, _, text = br.prepare_checkpoint(device, torch.float32, None)
+    inputs: list[dict] = []
+    ref = br.ReferenceTraining(
+        Reference, folder, text, device, frames=setting.frames, latent_hw=(setting.height, setting.width),
+        group=cfg.video_sync_group, batch=cfg.batch_size,
+        checkpointing_ratio=cfg.gradient_checkpointing_ratio if cfg.gradient_checkpointing else None,
+    )  # fmt: skip
+    if setting.cuda:
+        torch.cuda.reset_peak_memory_stats()
+    ref.record(inputs, [])
+    runs = ref.run(setting.warmup + setting.steps)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if setting.cuda else float("nan")
+    ref.close()
+
+    def image_tokens(sample: Any) -> int:  # patch 2: (H/2)(W/2) tokens per frame
+        if isinstance(sample, list):
+            return sum(image_tokens(x) for x in sample)
+        return sample.shape[0] * sample.shape[2] * (sample.shape[3] // 2) * (sample.shape[4] // 2)
+
+    timed = range(setting.warmup, len(runs))
+    step_s = statistics.median(runs[i][1] for i in timed)
+    tok_s = sum(image_tokens(inputs[i]["sample"]) for i in timed) / sum(runs[i][1] for i in timed)
+    ours_tok_s = float(ours["image tokens/s per GPU"].replace(",", ""))
+    return [
+        ("reference step (median, one micro-batch)", f"{step_s * 1e3:.1f} ms"),
+        ("reference image tokens/s", f"{tok_s:,.0f}"),
+        ("reference peak memory", f"{peak:.2f} GiB allocated"),
+        ("pfctl / reference (image tokens/s)", f"{ours_tok_s / tok_s:.2f}x"),
+    ]
 
 
 def run_here(args: argparse.Namespace) -> None:
@@ -442,6 +496,10 @@ def run_here(args: argparse.Namespace) -> None:
             )
         write_cache(config, setting)
     rows = measure(config, setting, args)
+    if args.reference is not None:
+        if world > 1:
+            raise SystemExit("--reference times the reference in one process: use --processes 1")
+        rows += reference_rows(args.reference, config, setting, dict(rows))
     if int(os.environ.get("RANK", "0")) != 0:
         return
     if args.json:

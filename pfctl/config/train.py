@@ -8,6 +8,7 @@ any process group exists, so a bad layout fails the same way on every rank.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -175,30 +176,32 @@ class TrainConfig(Section):
     fsdp_cpu_offload: bool = False
     """With ``fsdp`` on CUDA: keep the parameter shards, gradients and optimizer state in host memory (the
     optimizer steps there). Nothing to offload on the CPU."""
-    attention: Literal["auto", "efficient", "cudnn"] = "efficient"
-    """The kernel of the DiT's masked attention: ``efficient`` (default) the memory-efficient one;
-    ``cudnn`` cuDNN's, which builds a plan per shape: the pyramid's shapes change every step, so in
-    eager training the planning and the host cost per call outweigh its faster kernel; with
-    ``cuda_graphs`` both costs are paid once per shape and it is the fastest choice; ``auto`` PyTorch's
-    choice (cuDNN on recent GPUs). Same loss within bf16 rounding; no effect on the CPU. Measured
-    step times: ``benchmarks/RESULTS.md``."""
+    attention: Literal["auto", "efficient", "cudnn"] = "auto"
+    """The kernel of the DiT's masked attention: ``auto`` (default) cuDNN's when the blocks run as CUDA graphs,
+    else the memory-efficient one; ``efficient`` the memory-efficient kernel; ``cudnn`` cuDNN's, which builds
+    a plan per shape: the pyramid's shapes change every step, so in eager training the planning and the host
+    cost per call outweigh its faster kernel, while with CUDA graphs both costs are paid once per shape.
+    Same loss within bf16 rounding; no effect on the CPU. Measured step times: ``benchmarks/RESULTS.md``."""
     skip_future_keys: bool = False
     """Cut the text padding and attend the query rows of long columns (6,144+ tokens) in groups of whole
     frames (512+ rows; a frame that large alone), each against the keys up to its last frame only, forward
     and backward; a single frame's rows attend with no mask. Same loss up to float rounding. Off by
     default: the graph breaks cost host time, so it pays only for long columns (768p and longer clips);
     384p columns are too short to be grouped at all."""
-    compile: bool = False
-    """``torch.compile`` each DiT block (dynamic shapes, CUDA only; ignored on the CPU): fuses the
-    norms, RoPE, modulation and residuals around the matmuls, forward and backward; the first step pays
-    the compilation (a minute or two). Weights and checkpoint keys are unchanged. Use it for long runs
-    on a GPU, where the compilation is paid back."""
-    cuda_graphs: bool = False
-    """With ``compile``: each compiled block's forward and backward is also recorded as a CUDA graph, once
-    per token count, and replayed (``torch.compile`` mode ``reduce-overhead``), so the host no longer sets
-    the step's pace. Best with few distinct shapes (each new one is recorded once, and its graphs keep
-    their memory), and with ``attention=cudnn``. Held-out losses and validation samples run the blocks
-    eagerly. Not with gradient checkpointing or FSDP."""
+    compile: bool | Literal["auto"] = "auto"
+    """``torch.compile`` each DiT block (dynamic shapes): fuses the norms, RoPE, modulation and residuals around
+    the matmuls, forward and backward. ``auto`` (default): on CUDA, off on the CPU (where the blocks run
+    eagerly). The first steps pay the compilation (the log reports the warm-up); weights and checkpoint keys
+    are unchanged. ``false`` is the one switch back to the eager reference path (CUDA graphs need it)."""
+    cuda_graphs: bool | Literal["auto"] = "auto"
+    """With compiled blocks: each block's forward and backward is also recorded as a CUDA graph, once per
+    token count, and replayed (``torch.compile`` mode ``reduce-overhead``), so the host no longer sets the
+    step's pace. ``auto`` (default): on when the blocks are compiled, nothing recomputes or gathers inside a
+    block (no gradient checkpointing, no sharding over several processes: ``train.fsdp`` with one process
+    shards nothing and is skipped then) and a step is one micro-batch (``train.grad_accum=1``, the setting
+    measured on a GPU; with accumulation the gradients accumulate into tensors of their own, which ``true``
+    turns on); else off. Held-out losses and validation samples run the blocks eagerly. ``true`` refuses
+    gradient checkpointing and FSDP."""
 
     # --- checkpoints ----------------------------------------------------------------------------
     checkpoint_every: int = Field(default=1000, ge=1)
@@ -294,13 +297,13 @@ def check_train_constraints(train: TrainConfig, world_size: int) -> SyncGroupPla
             f"train.lora.enabled=true with train.fsdp={train.fsdp}: LoRA runs are not sharded in this version",
             hint="use train.fsdp=none (several GPUs still work: data parallel), or full fine-tuning with FSDP",
         )
-    if train.cuda_graphs:
+    if train.cuda_graphs is True:
         clash = [
             f"{key} ({why})"
             for key, bad, why in (
                 (
                     "train.compile=false",
-                    not train.compile,
+                    train.compile is False,
                     "the graphs are recorded from the compiled blocks",
                 ),
                 (
@@ -316,7 +319,7 @@ def check_train_constraints(train: TrainConfig, world_size: int) -> SyncGroupPla
             raise ConfigError(
                 f"train.cuda_graphs=true does not work with {', '.join(clash)}",
                 hint="set train.compile=true, train.gradient_checkpointing=false and train.fsdp=none, "
-                "or train.cuda_graphs=false",
+                "or train.cuda_graphs=auto / false",
             )
     check_trackers(train.trackers)
     if train.heldout_clips == 0 and train.eval_every is not None:
@@ -324,6 +327,54 @@ def check_train_constraints(train: TrainConfig, world_size: int) -> SyncGroupPla
             "train.eval_every is set but train.heldout_clips is 0", hint="set train.heldout_clips=N (N > 0)"
         )
     return layout
+
+
+@dataclass(frozen=True)
+class TrainSpeed:
+    """The speed settings a run resolves its ``auto`` options to (:func:`resolve_train_speed`)."""
+
+    compile: bool
+    cuda_graphs: bool
+    attention: str
+    fsdp: str
+    notes: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """One log line: what runs, and why where an ``auto`` decided."""
+        graphs = " + CUDA graphs" if self.cuda_graphs else ""
+        head = f"compiled blocks{graphs}" if self.compile else "eager blocks"
+        parts = [head, f"attention {self.attention}", f"fsdp {self.fsdp}"]
+        return "; ".join(parts) + "".join(f" ({note})" for note in self.notes)
+
+
+def resolve_train_speed(train: TrainConfig, device_type: str, world_size: int) -> TrainSpeed:
+    """The ``auto`` speed options for this device and world size: compiled blocks on CUDA; CUDA graphs where
+    the blocks are compiled and neither checkpointing nor a sharded block changes what a block does in its
+    backward, for steps of one micro-batch; cuDNN attention with the graphs (its per-shape planning is then paid once), the
+    memory-efficient kernel without. ``train.fsdp`` with one CUDA process (no host offload) shards nothing:
+    skipped, so the graphs can stay on. Explicit ``true`` / ``false`` settings are kept."""
+    cuda = device_type == "cuda"
+    notes = []
+    fsdp = train.fsdp
+    if fsdp != "none" and cuda and world_size == 1 and not train.fsdp_cpu_offload:
+        fsdp = "none"
+        notes.append(f"train.fsdp={train.fsdp} with one process shards nothing: not applied")
+    compiled = cuda and train.compile is not False
+    if train.compile is True and not cuda:
+        notes.append("train.compile is ignored on the CPU")
+    graphs = compiled and (
+        train.cuda_graphs is True
+        or (
+            train.cuda_graphs == "auto"
+            and not train.gradient_checkpointing
+            and fsdp == "none"
+            and train.grad_accum == 1
+        )
+    )
+    attention = train.attention
+    if attention == "auto":
+        attention = "cudnn" if graphs else "efficient"
+    return TrainSpeed(compiled, graphs, attention, fsdp, tuple(notes))
 
 
 def check_trackers(trackers: list[str]) -> None:

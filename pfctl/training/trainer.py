@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from pfctl.config.train import TrainConfig, check_train_constraints, columns_to_stages
+from pfctl.config.train import TrainConfig, check_train_constraints, columns_to_stages, resolve_train_speed
 from pfctl.data.dataset import LatentClipLoader, TrainBatch, group_rng, stored_latent, unbatch
 from pfctl.errors import CheckFailed, CheckpointError
 from pfctl.flow.loss import flow_matching_loss
@@ -287,7 +287,7 @@ class Trainer:
         with warnings.catch_warnings():  # a skipped update still advances the schedule (by design)
             warnings.simplefilter("ignore", UserWarning)
             self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.graphed)
         self.step += 1
         if self.ema is not None and self.ema.should_update(self.step):
             self.ema.update(self.trained_state())
@@ -296,7 +296,11 @@ class Trainer:
         """Under ``train.cuda_graphs``, the held-out loss and validation samples run the DiT blocks eagerly:
         every shape those occasional calls bring would otherwise be recorded as CUDA graphs that keep their
         memory for the rest of the run."""
-        return torch.compiler.set_stance("force_eager") if self.cfg.cuda_graphs else contextlib.nullcontext()
+        return (
+            torch.compiler.set_stance("force_eager")
+            if self.cfg.cuda_graphs is True
+            else contextlib.nullcontext()
+        )
 
     def forward(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[int, torch.Tensor], dict[str, Any]]:
         """Pyramid inputs for this rank's units → DiT → flow-matching loss (+ the assignment record).
@@ -361,7 +365,7 @@ class Trainer:
     ) -> list[torch.Tensor]:
         """The DiT on one noised batch under the runtime's autocast (text rows on the device already;
         ``text_lengths``, their valid tokens known on the host, lets ``skip_future_keys`` drop the padding)."""
-        if self.cfg.cuda_graphs and self.runtime.device.type == "cuda":
+        if self.graphed:
             # a new forward: the blocks' graphs may overwrite what the last one left (nothing reads it now)
             torch.compiler.cudagraph_mark_step_begin()
         with self.runtime.accelerator.autocast():
@@ -405,7 +409,18 @@ class Trainer:
             project_dir=str(self.out),
             log_with=list(cfg.trackers) or None,
         )
-        self.logs = RunLogs(self.out, cfg, self.runtime)
+        self.resolve_speed()
+        self.logs = RunLogs(self.out, self.cfg, self.runtime)
+
+    def resolve_speed(self) -> None:
+        """The ``auto`` speed options settled for this device and world size
+        (:func:`pfctl.config.train.resolve_train_speed`): the run's config holds the settled values from here
+        on (and its ``config.yaml`` shows them)."""
+        speed = resolve_train_speed(self.cfg, self.runtime.device.type, self.runtime.world_size)
+        settled = {"compile": speed.compile, "cuda_graphs": speed.cuda_graphs, "attention": speed.attention}
+        self.cfg = self.cfg.model_copy(update=settled | {"fsdp": speed.fsdp})
+        self.config = self.config.model_copy(update={"train": self.cfg})
+        pflog.log("speed: " + speed.describe())
 
     def setup_data(self) -> None:
         """The cache (format + fingerprint checked), the group's sampler and loader, the batch feed."""
@@ -455,10 +470,25 @@ class Trainer:
             return shard_dit(model, self.cfg, self.runtime)
         return self.runtime.accelerator.prepare(model)
 
+    @property
+    def graphed(self) -> bool:
+        """The DiT blocks run as CUDA graphs (:meth:`resolve_speed`)."""
+        return self.cfg.cuda_graphs is True and self.runtime.device.type == "cuda"
+
     def setup_optimizer(self) -> None:
-        """Optimizer + LR schedule, created on the sharded / prepared model's parameters (FSDP needs that)."""
+        """Optimizer + LR schedule, created on the sharded / prepared model's parameters (FSDP needs that).
+
+        With CUDA graphs the gradients live in tensors of their own from the start, zeroed rather than freed
+        after each update: a block's backward graph writes its weight gradients into the graphs' memory pool,
+        which the next micro-batch's forward reuses, so a first gradient kept as ``.grad`` (what autograd does
+        when there is none yet) would be overwritten before the accumulation of the next micro-batch reads
+        it. Accumulating into existing tensors copies each out at once."""
         self.optimizer = self.runtime.accelerator.prepare(build_optimizer(self.model, self.cfg))
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.cfg)
+        if self.graphed:
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
 
     def setup_state(self) -> None:
         """EMA (fp32 shadow), the pyramid scheduler, the per-rank noise generator; the resolved config and
@@ -640,7 +670,9 @@ class Trainer:
             for stage, value in result.per_stage.items():
                 per_stage[stage].append(float(value))
         self.model.train()
-        return {"heldout_loss": _mean(losses)} | {f"heldout_loss_stage{s}": _mean(v) for s, v in per_stage.items()}
+        return {"heldout_loss": _mean(losses)} | {
+            f"heldout_loss_stage{s}": _mean(v) for s, v in per_stage.items()
+        }
 
     def validate(self) -> ValidationSamples | None:
         """Validation samples of this step (:func:`pfctl.training.evaluate.sample_validation`): latents,
@@ -661,19 +693,18 @@ class Trainer:
 def apply_fast_paths(model: torch.nn.Module, config: Any, device: torch.device) -> None:
     """The model's part of the speed layer (:func:`pfctl.models.fast.apply_fast_paths`): the ``fast:``
     kernels, activation checkpointing (``train.gradient_checkpointing``), then compiled blocks
-    (``train.compile`` + ``train.cuda_graphs``, CUDA only). Applied after LoRA, so the compiled graphs
-    include the adapters."""
+    (``train.compile`` + ``train.cuda_graphs`` as settled by :meth:`Trainer.resolve_speed`: CUDA only).
+    Applied after LoRA, so the compiled graphs include the adapters."""
     cfg = config.train
-    compiled = cfg.compile and device.type == "cuda"
-    if cfg.compile and not compiled:
-        pflog.log("train.compile is ignored on the CPU")
+    compiled = cfg.compile is True and device.type == "cuda"
     if not (config.fast.any_on or cfg.gradient_checkpointing or compiled):
         return
     from pfctl.models import fast
 
     ratio = cfg.gradient_checkpointing_ratio if cfg.gradient_checkpointing else 0.0
     # column sizes change independently every step
-    paths = fast.FastPaths(config.fast, ratio, compiled, independent_sizes=True, cuda_graphs=cfg.cuda_graphs)
+    graphs = compiled and cfg.cuda_graphs is True
+    paths = fast.FastPaths(config.fast, ratio, compiled, independent_sizes=True, cuda_graphs=graphs)
     applied = fast.apply_fast_paths(model, paths)
     if applied:
         pflog.log("fast paths: " + ", ".join(applied))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from helpers.tolerance import assert_rounding_close
@@ -196,7 +197,7 @@ def test_validation_samples_are_written(cache: Path, tmp_path: Path) -> None:
 def test_held_out_loss_and_validation_leave_the_training_graphs(
     cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With ``train.cuda_graphs`` the occasional calls (held-out loss, validation samples) run the compiled
+    """With CUDA graphs the occasional calls (held-out loss, validation samples) run the compiled
     blocks eagerly, so their shapes are never recorded as CUDA graphs; without it nothing changes stance."""
     stances: list[str] = []
     set_stance = torch.compiler.set_stance
@@ -215,7 +216,14 @@ def test_held_out_loss_and_validation_leave_the_training_graphs(
     }
     api.train(config(cache, tmp_path / "eager", export=False, **common))
     assert stances == []
-    api.train(config(cache, tmp_path / "graphs", export=False, compile=True, cuda_graphs=True, **common))
+    # the CPU settles on eager blocks: settle as on CUDA (the blocks still run eagerly: nothing compiles here)
+    from pfctl.config.train import TrainSpeed
+    from pfctl.training import trainer
+
+    monkeypatch.setattr(
+        trainer, "resolve_train_speed", lambda train, *_: TrainSpeed(True, True, "efficient", train.fsdp)
+    )
+    api.train(config(cache, tmp_path / "graphs", export=False, **common))
     # step 0: the held-out and validation baselines (one switch); steps 1, 2: held-out; step 2: validation
     assert stances == ["force_eager"] * 4
     assert (tmp_path / "graphs" / "validation" / "step-000002.safetensors").is_file()
@@ -296,3 +304,25 @@ def test_skip_future_keys_trains_like_one_call_attention(
     assert len({start for starts in key_starts for start in starts}) > 1  # captions of different lengths
     # another attention path sums in another order: 3 steps of a forward and a backward (helpers.tolerance)
     assert_rounding_close(grouped_run.losses, one_call.losses, reduction=128, depth=3 * 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_train_like_the_eager_path_with_accumulation(cache: Path, tmp_path: Path) -> None:
+    """Compiled blocks as CUDA graphs (with cuDNN attention) and two micro-batches per step:
+    the first micro-batch's gradients survive the second one's forward (which reuses the graphs' memory),
+    so the losses follow the eager path's within the rounding of bf16 autocast (the CUDA default)."""
+    common = {"max_steps": 3, "grad_accum": 2, "export": False}
+    runs = {}
+    for name, switch in (("eager", {"compile": False}), ("fast", {"cuda_graphs": True})):
+        cfg = config(cache, tmp_path / name, **common, **switch)
+        cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"device": "cuda"})})
+        api.train(cfg)
+        runs[name] = [r["loss"] for r in metrics(tmp_path / name) if "loss" in r]
+        settled = yaml.safe_load((tmp_path / name / "config.yaml").read_text())["train"]
+        assert settled["cuda_graphs"] is (name == "fast") and settled["compile"] is (name == "fast")
+    assert len(runs["fast"]) == 3
+    # (the defect this guards against stopped the second micro-batch's backward with an error); bf16 rounds
+    # each product's inputs to 8 bits (2^-8 relative) and the two paths fuse differently
+    assert runs["fast"] == pytest.approx(runs["eager"], rel=2e-2)

@@ -103,13 +103,13 @@ def test_every_shipped_recipe_loads(name: str) -> None:
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [
-        (["train.cuda_graphs=true"], ["train.compile=false"]),
+        (["train.cuda_graphs=true", "train.compile=false"], ["train.compile=false"]),
         (
             ["train.cuda_graphs=true", "train.compile=true", "train.gradient_checkpointing=true"],
             ["train.gradient_checkpointing=true"],
         ),
         (
-            ["train.cuda_graphs=true", "train.fsdp=full_shard"],
+            ["train.cuda_graphs=true", "train.compile=false", "train.fsdp=full_shard"],
             ["train.compile=false", "train.fsdp=full_shard"],
         ),
     ],
@@ -124,3 +124,42 @@ def test_cuda_graphs_names_each_setting_it_cannot_work_with(overrides: list[str]
     assert all(key in message for key in named)
     assert message.count("train.") - message.count("train.cuda_graphs") == len(named)
     check_train_constraints(load_config(None, ["train.cuda_graphs=true", "train.compile=true"]).train, 1)
+    check_train_constraints(load_config(None, ["train.cuda_graphs=true"]).train, 1)  # compile auto
+
+
+# (overrides, device, world) -> (compile, cuda_graphs, attention, fsdp): the defaults are the fast path on
+# CUDA, the eager one on the CPU; graphs only where nothing recomputes or gathers inside a block
+SPEED_CASES = [
+    ([], "cuda", 1, (True, True, "cudnn", "none")),
+    ([], "cpu", 2, (False, False, "efficient", "none")),
+    (["train.compile=false"], "cuda", 1, (False, False, "efficient", "none")),
+    (["train.gradient_checkpointing=true"], "cuda", 1, (True, False, "efficient", "none")),
+    (["train.fsdp=shard_grad_op"], "cuda", 2, (True, False, "efficient", "shard_grad_op")),
+    (["train.fsdp=shard_grad_op"], "cuda", 1, (True, True, "cudnn", "none")),  # one process: nothing to shard
+    (["train.grad_accum=2"], "cuda", 1, (True, False, "efficient", "none")),
+    (["train.grad_accum=2", "train.cuda_graphs=true"], "cuda", 1, (True, True, "cudnn", "none")),
+    (["train.fsdp=full_shard", "train.fsdp_cpu_offload=true"], "cuda", 1, (True, False, "efficient", "full_shard")),
+    (["train.fsdp=full_shard"], "cpu", 1, (False, False, "efficient", "full_shard")),
+    (["train.cuda_graphs=false"], "cuda", 1, (True, False, "efficient", "none")),
+    (["train.attention=efficient"], "cuda", 1, (True, True, "efficient", "none")),
+    (["train.compile=true", "train.cuda_graphs=true"], "cpu", 1, (False, False, "efficient", "none")),
+]
+
+
+@pytest.mark.parametrize(("overrides", "device", "world", "expected"), SPEED_CASES)
+def test_speed_options_settle_per_device_and_world(
+    overrides: list[str], device: str, world: int, expected: tuple
+) -> None:
+    from pfctl.config.train import resolve_train_speed
+
+    speed = resolve_train_speed(load_config(None, overrides).train, device, world)
+    assert (speed.compile, speed.cuda_graphs, speed.attention, speed.fsdp) == expected
+    assert ("compiled" in speed.describe()) == speed.compile
+
+
+@pytest.mark.parametrize("name", [n for n in available_recipes() if n.startswith("pyramid-flux")])
+def test_shipped_gpu_recipes_compile_on_cuda_by_default(name: str) -> None:
+    """Every shipped GPU recipe runs the compiled blocks on CUDA as users launch it (8 processes)."""
+    from pfctl.config.train import resolve_train_speed
+
+    assert resolve_train_speed(load_config(name).train, "cuda", 8).compile

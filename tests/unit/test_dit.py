@@ -356,7 +356,10 @@ def test_compiled_blocks_train_like_eager_blocks() -> None:
 def test_checkpointing_applies_only_in_training_with_gradients() -> None:
     """Checkpointed blocks recompute in the backward of a training forward, never in eval or no-grad calls;
     the plain model (no speed layer) never recomputes."""
-    for model, recomputes in ((build("flux").train(), False), (checkpointed(build("flux").train(), 1.0), True)):
+    for model, recomputes in (
+        (build("flux").train(), False),
+        (checkpointed(build("flux").train(), 1.0), True),
+    ):
         calls: dict[str, int] = {}
         for name, block in model.blocks_in_order():
             block.register_forward_pre_hook(lambda *_, n=name, c=calls: c.__setitem__(n, c.get(n, 0) + 1))
@@ -747,3 +750,45 @@ def test_compiled_blocks_keep_one_graph_per_block_type_across_training_layouts()
     finally:
         shape_config.use_duck_shape = duck_shape
         torch._dynamo.reset()
+
+
+def _to(args: dict, device: str) -> dict:
+    def move(v):
+        return [move(x) for x in v] if isinstance(v, list) else v.to(device)
+
+    return {k: move(v) for k, v in args.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("strategy", ["shard_grad_op", "full_shard"])
+def test_checkpointing_compile_and_fsdp2_compose_on_cuda(strategy: str) -> None:
+    """torchtitan's stack on one model, in its order: checkpointed blocks, compiled by Inductor, then sharded
+    by FSDP2 (a one-process group): the eager model's outputs and gradients within fp32 rounding, over two
+    AdamW steps (the second one runs the compiled code with sharded, updated weights)."""
+    from pfctl.models.fast import FastPaths, apply_fast_paths
+    from pfctl.runtime.sharding import shard_model
+
+    eager, fast = build("flux").cuda().train(), build("flux").cuda().train()
+    torch._dynamo.reset()
+    apply_fast_paths(fast, FastPaths(PLAIN, checkpointing_ratio=0.5, compile=True))
+    shard_model(fast, [b for _, b in fast.blocks_in_order()], strategy=strategy, device=torch.device("cuda"))
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (eager, fast)]
+    for step in range(2):
+        results = []
+        for model, optimizer in zip((eager, fast), optimizers, strict=True):
+            outs = model(**_to(inputs(seed=step), "cuda"))
+            sum(o.square().mean() for o in outs).backward()
+            grads = {
+                n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for n, p in model.named_parameters()
+            }
+            results.append(([o.detach().cpu() for o in outs], {n: g.cpu() for n, g in grads.items()}))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        for a, b in zip(results[0][0], results[1][0], strict=True):
+            assert_rounding_close(b, a, **SUMS)
+        assert results[0][1].keys() == results[1][1].keys()
+        for name, grad in results[0][1].items():
+            assert_rounding_close(results[1][1][name], grad, **SUMS, msg=f"step {step}: {name}")
+    torch._dynamo.reset()
