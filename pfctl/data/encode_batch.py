@@ -256,8 +256,9 @@ class BatchEncoder:
     # -- the device work (encoding thread) -------------------------------------------------------------
     def launch(self, clips: list[Clip]) -> None:
         """Queue ``clips`` (one shape) on the device in batches of at most ``batch_size``."""
-        for start in range(0, len(clips), self.batch_size):
-            self._launch(clips[start : start + self.batch_size])
+        while clips:  # the size is read again for each batch: a failed batch may have lowered it
+            batch, clips = clips[: self.batch_size], clips[self.batch_size :]
+            self._launch(batch)
 
     def _launch(self, clips: list[Clip]) -> None:
         marks = self.clock.start()
