@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.caches import assert_same_cache
 from helpers.tolerance import rounding_rtol
 from pfctl.config.load import load_config
 from pfctl.data import latent_cache as lc
@@ -87,24 +88,6 @@ def _spy_vae(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
     return calls
 
 
-def _assert_same_cache(got: Path, want: Path) -> None:
-    """Same clips, rows, metadata and text; latents equal up to the rounding of another batch
-    composition (helpers.tolerance: the tiny VAE's 3x3x3 convolutions over 16 channels, ~20 chained),
-    each then rounded to bf16 (so up to one bf16 step, 2^-7 relative, apart)."""
-    a, b = lc.LatentCache.open(got), lc.LatentCache.open(want)
-    assert a.fingerprint == b.fingerprint and a.items() == b.items()
-    for clip_id in b.ids():
-        assert a.metadata(clip_id) == b.metadata(clip_id)
-        x, y = a.load(clip_id), b.load(clip_id)
-        assert set(x) == set(y)
-        for key in y:
-            if key.startswith("latent"):
-                fp32 = rounding_rtol(16 * 27, 20) * float(y[key].float().abs().max())
-                torch.testing.assert_close(x[key].float(), y[key].float(), rtol=2**-7, atol=fp32)
-            else:
-                assert torch.equal(x[key], y[key]), (clip_id, key)
-
-
 def test_batched_encode_equals_one_clip_per_call(
     corpus: Path, tmp_path: Path, runtime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -120,7 +103,7 @@ def test_batched_encode_equals_one_clip_per_call(
         # 5 landscape clips, 2 portrait, 1 image: batches of `size` per shape, the rest at the end
         assert report.encoded == 8 and sorted(n for n, _ in calls) == expected, calls
         assert {name for _, name in calls} == {threading.current_thread().name}
-        _assert_same_cache(tmp_path / f"b{size}", tmp_path / "b1")
+        assert_same_cache(tmp_path / f"b{size}", tmp_path / "b1")
 
 
 def test_sample_store_is_seeded_per_clip_whatever_the_batch(corpus: Path, tmp_path: Path, runtime) -> None:
@@ -128,7 +111,7 @@ def test_sample_store_is_seeded_per_clip_whatever_the_batch(corpus: Path, tmp_pa
     stores the samples of one clip per call."""
     run_encode(_config(corpus, tmp_path / "s1", batch_size=1, store="sample"), runtime=runtime)
     run_encode(_config(corpus, tmp_path / "s3", batch_size=3, store="sample"), runtime=runtime)
-    _assert_same_cache(tmp_path / "s3", tmp_path / "s1")
+    assert_same_cache(tmp_path / "s3", tmp_path / "s1")
 
 
 def test_each_caption_is_encoded_once(
@@ -191,7 +174,7 @@ def test_a_batch_that_fails_is_split(
     report = run_encode(_config(corpus, tmp_path / "c", batch_size=4), runtime=runtime)
     assert report.encoded == 8 and report.failed == 0 and report.batch_size == 1
     assert any("batch size 2" in n for n in report.notes) and any("batch size 1" in n for n in report.notes)
-    _assert_same_cache(tmp_path / "c", _reference(corpus, tmp_path, runtime))
+    assert_same_cache(tmp_path / "c", _reference(corpus, tmp_path, runtime))
 
     def broken(self, video, **kwargs):
         raise RuntimeError("boom")
@@ -248,4 +231,4 @@ def test_queued_clips_are_written_when_the_run_stops(
     report = run_encode(_config(corpus, out, batch_size=2), runtime=runtime)
     assert (report.encoded, report.skipped, report.manifest_clips) == (4, 4, 8)
     assert {p: p.stat().st_mtime_ns for p in files} == stamps
-    _assert_same_cache(out, _reference(corpus, tmp_path, runtime))
+    assert_same_cache(out, _reference(corpus, tmp_path, runtime))

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.caches import assert_same_cache
 from helpers.tolerance import rounding_rtol
 from pfctl.config.load import load_config
 from pfctl.data import latent_cache as lc
@@ -342,7 +343,7 @@ def _cli_args(ann: Path, out: Path, workers: int = 0) -> list[str]:
         "-a", str(ann), "-o", str(out), "--vae", "causal-vae-tiny",
         "--set", "encode.text=false", "--set", f"encode.buckets={json.dumps(BUCKETS)}",
         "--set", "encode.num_frames=9", "--set", f"encode.num_workers={workers}", "--set", "runtime.device=cpu",
-        "--set", "encode.dtype=fp32",
+        "--set", "encode.dtype=fp32", "--set", "encode.batch_size=2",
     ]  # fmt: skip
 
 
@@ -403,6 +404,16 @@ def test_two_processes_write_every_clip_exactly_once(corpus: Path, tmp_path: Pat
     assert [(f["id"], f["reason"]) for f in failures] == [("missing", "missing")]
     assert len(_stamps(out)) == 6 and not (out / lc.PARTS_DIR).exists()
     assert done.stdout.count("encode-latents →") == 1  # one summary, from the main process
+    # the same cache as one process (each rank batched its own share: other batches, same latents)
+    one = subprocess.run(
+        _cli(*_cli_args(ann, tmp_path / "one", workers=1)),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    assert_same_cache(out, tmp_path / "one")
 
 
 def _embedded_config(ann: Path, out: Path, **flags):
