@@ -266,19 +266,22 @@ class BatchEncoder:
         self.clock.mark(marks, "text")
         if not clips:
             return
+        error = None
         try:
             latents = self._latents(clips, marks)
         except PfctlError:
             raise  # a configuration problem (chunk size, tile): every clip would fail the same way
-        except Exception as exc:
+        except Exception as exc:  # handled below, once its traceback (and the activations it holds) is freed
+            error = f"{type(exc).__name__}: {exc}"
+        if error is not None:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             if len(clips) == 1:
-                self.fail(clips[0], "encode_error", f"{type(exc).__name__}: {exc}")
+                self.fail(clips[0], "encode_error", error)
                 return
             self.batch_size = max(1, len(clips) // 2)
             self.notes.append(
-                f"a batch of {len(clips)} clips failed ({type(exc).__name__}); batch size {self.batch_size} from then on"
+                f"a batch of {len(clips)} clips failed ({error.split(':')[0]}); batch size {self.batch_size} from then on"
             )
             self.launch(clips)
             return
