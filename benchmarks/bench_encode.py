@@ -13,11 +13,15 @@ text encoders, host-to-device copies, VAE, copies back, file writes, waiting for
 "VAE alone" rows: pfctl's VAE on one in-memory batch per batch size, and with ``--reference DIR`` (a
 jy0205/Pyramid-Flow checkout, see bench_reference.py) the reference's VAE on one clip, same weights,
 same input, under bf16 autocast as its pipeline runs it. ``decode only`` times the decode workers.
+``--processes 1,2`` adds the same configuration as 2 real processes (torchrun, one GPU each): the
+scaling figure; those runs include each process's own first-call warm-up (use enough clips).
 
     python benchmarks/bench_encode.py                       # auto: CUDA if present
     python benchmarks/bench_encode.py --device cpu --clips 4 --batch-size 1,2
     python benchmarks/bench_encode.py --device cuda --chunking framewise --chunk-frames 40 \\
         --batch-size 1,2,4 --num-workers 8 --reference third_party/Pyramid-Flow
+    python benchmarks/bench_encode.py --device cuda --chunking framewise --chunk-frames 40 --batch-size 4 \
+        --processes 1,2 --clips 48 --no-vae-alone      # on nvidia-h200-x2: the 2-GPU scaling
 
 The last thing printed is a table with one row per configuration.
 """
@@ -162,6 +166,36 @@ def _reference_rows(args, vae, clip, device) -> list[tuple]:
     return rows
 
 
+def _process_counts(args) -> list[int]:
+    """1 first (the in-process run, always), then the counts > 1 asked for."""
+    return [1, *sorted({int(v) for v in args.processes.split(",") if v and int(v) > 1})]
+
+
+def _torchrun_row(name: str, processes: int, flags: dict, out: Path, device) -> tuple:
+    """The same configuration as ``processes`` real processes (torchrun, one GPU each on CUDA): the
+    command's own clips/s (the slowest rank's loop) and wall time, read from its summary."""
+    import re
+    import subprocess
+
+    sets = [
+        f"{k}={json.dumps(v)}" for k, v in {**flags, "encode.output_dir": str(out)}.items() if v is not None
+    ]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+        "-m", "pfctl", "encode-latents", "--set", f"runtime.device={device.type}",
+        *(arg for kv in sets for arg in ("--set", kv)),
+    ]  # fmt: skip
+    start = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    wall = time.monotonic() - start
+    found = re.search(r"([\d.]+) clips/s \(", done.stdout)
+    if done.returncode != 0 or found is None:
+        raise SystemExit(
+            f"{processes} processes failed (exit {done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+        )
+    return (f"encode-latents ({name}, {processes} processes)", float(found.group(1)), wall, float("nan"), {})
+
+
 def _runs(args) -> list[tuple[str, int | None]]:
     windows = [int(v) for v in args.chunk_frames.split(",") if v] or [None]
     return [(c, w) for c in args.chunking.split(",") for w in (windows if c != "none" else [None])]
@@ -204,6 +238,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--reference", type=Path, default=None, help="a jy0205/Pyramid-Flow checkout: its VAE beside"
     )
     parser.add_argument("--no-vae-alone", action="store_true", help="skip the VAE-alone rows")
+    parser.add_argument(
+        "--processes",
+        default="1",
+        help="comma-separated process counts: N > 1 runs `torchrun --nproc_per_node N -m pfctl encode-latents` "
+        "(one GPU each on CUDA) on the same clips, for the scaling figure",
+    )
+    parser.add_argument(
+        "--warmup-clips", type=int, default=None, help="clips encoded before timing (default 2 CUDA / 0 CPU)"
+    )
     return parser.parse_args(argv)
 
 
@@ -245,6 +288,19 @@ def _encode_rows(
                 "encode.text_encoder": None if text is None else str(text), "encode.chunking": chunking,
                 "encode.dtype": dtype,
             }  # fmt: skip
+            if (
+                args.warmup_clips
+            ):  # first calls: cuDNN's algorithm choice, kernel compilation, allocator growth
+                warm = ann.parent / "warmup.jsonl"  # the clips' paths are relative to it
+                warm.write_text("".join(ann.read_text().splitlines(keepends=True)[: args.warmup_clips]))
+                warm_flags = {
+                    **flags,
+                    "encode.annotations": str(warm),
+                    "encode.output_dir": str(out) + "-warmup",
+                }
+                run_encode(load_config(None, [], warm_flags), runtime=runtime)
+            for processes in _process_counts(args)[1:]:
+                rows.append(_torchrun_row(name, processes, flags, tmp / f"{out.name}-p{processes}", device))
             config = load_config(None, [], flags)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
@@ -265,6 +321,10 @@ def _encode_rows(
     return rows
 
 
+def _cell(value: float) -> str:
+    return "" if value != value else f"{value:.2f}"  # NaN: not measured
+
+
 def _print_table(rows: list[tuple], title: str, cuda: bool) -> None:
     print(f"\n{title}")
     memory = "peak GPU GiB" if cuda else "peak RSS GiB"
@@ -272,7 +332,7 @@ def _print_table(rows: list[tuple], title: str, cuda: bool) -> None:
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")
     for name, rate, seconds, peak, stages in rows:
-        cells = [name, f"{rate:.2f}", f"{seconds:.2f}", "" if peak != peak else f"{peak:.2f}"]
+        cells = [name, f"{rate:.2f}", _cell(seconds), _cell(peak)]
         cells += [f"{stages[s]:.2f}" if s in stages else "" for s in STAGES]
         print("| " + " | ".join(cells) + " |")
 
@@ -291,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     cuda = device.type == "cuda"
     args.clips = args.clips or (24 if cuda else 6)
+    args.warmup_clips = (2 if cuda else 0) if args.warmup_clips is None else args.warmup_clips
     frames = args.frames or (121 if cuda else 17)
     width, height = (int(v) for v in (args.size or ("640x384" if cuda else "128x80")).split("x"))
     vae_kind = args.vae if args.vae != "auto" else ("real" if cuda else "tiny")
