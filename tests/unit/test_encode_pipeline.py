@@ -131,3 +131,33 @@ def test_pipeline_defaults() -> None:
     encode = load_config(None, [], {}).encode
     assert encode.num_workers == "auto" and encode.batch_size == 4
     assert load_config(None, ["encode.num_workers=3", "encode.batch_size=2"], {}).encode.num_workers == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused Triton norms run on CUDA only")
+@pytest.mark.parametrize("chunking", ["none", "framewise"])
+def test_batched_causal_vae_encode_on_cuda_equals_one_clip_per_call(chunking: str) -> None:
+    """The encode-latents path on CUDA (fused per-frame norms, channels-last, chunk cache): a batch of 3
+    different clips gives each clip's one-call latents (fp32, TF32 off: only the summation order of
+    another batch composition differs)."""
+    from pfctl.models.fast import FastPaths, apply_fast_paths
+    from pfctl.models.vae import PyramidCausalVAE, build_tiny_causal_vae
+
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        model = build_tiny_causal_vae().cuda()
+        apply_fast_paths(model, FastPaths())
+        with torch.no_grad():  # non-zero biases: a bias folded into the wrong sample shows
+            for p in model.parameters():
+                if p.ndim == 1:
+                    p.normal_(0.0, 0.1)
+        vae = PyramidCausalVAE(model)
+        video = torch.rand(3, 3, 17, 32, 48, generator=torch.Generator().manual_seed(0)).cuda() * 2 - 1
+        video[1] *= 0.3  # other statistics per sample
+        batched = vae.encode(video, chunking=chunking, chunk_frames=8)
+        for i in range(3):
+            one = vae.encode(video[i : i + 1], chunking=chunking, chunk_frames=8)
+            torch.testing.assert_close(batched.mean[i : i + 1], one.mean, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(batched.std[i : i + 1], one.std, rtol=1e-4, atol=1e-4)
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
