@@ -12,7 +12,8 @@ Read :func:`run_encode` top to bottom; each step is one function:
 4. :func:`_pending_work`: shard the items over ranks (rank r takes items r, r+W, ...), skip clips already
    cached;
 5. :func:`_encode_all`: decode in DataLoader workers (or a prefetch thread) while the main thread
-   encodes; one clip file per clip (atomic), then a per-rank manifest part;
+   encodes clips batched by shape (:class:`pfctl.data.encode_batch.BatchEncoder`) and a writer thread
+   writes one clip file per clip (atomic); then a per-rank manifest part;
 6. :func:`_summarise`: the main process merges the parts into ``manifest.jsonl`` and ``failures.jsonl``
    once every rank is done.
 
@@ -20,7 +21,7 @@ A bad input never stops the run: it becomes a failure row with a reason (see
 :data:`pfctl.data.video.REASONS`). Only too many failures (``max_failures``) make it exit 1.
 
 Test hook: the fault point ``encode_written`` (``PFCTL_FAULT="encode_written:action=sleep:seconds=1"``,
-:mod:`pfctl.runtime.faults`) slows each written clip down, so a test can kill a real run half way and
+:mod:`pfctl.runtime.faults`) slows each written clip down (on the writer thread), so a test can kill a real run half way and
 check that the rerun only encodes what is missing.
 """
 
