@@ -13,8 +13,8 @@
    (:class:`pfctl.data.encode_writer.AsyncWriter`), which waits for the device, checks the values
    and writes one file per clip; meanwhile this thread queues the next batch on the device.
 
-A batch the device cannot hold (out of memory, or any error of a batched call) is split in halves and
-the smaller size kept; a single clip that fails is a failure row, as before. Counters, manifest rows
+A batch the device cannot hold (out of memory) is split in halves and the smaller size kept; a batch
+that fails otherwise is encoded clip by clip; a single clip that fails is a failure row, as before. Counters, manifest rows
 and failures live in a :class:`Tally` both threads update.
 """
 
@@ -273,17 +273,9 @@ class BatchEncoder:
             raise  # a configuration problem (chunk size, tile): every clip would fail the same way
         except Exception as exc:  # handled below, once its traceback (and the activations it holds) is freed
             error = f"{type(exc).__name__}: {exc}"
+            out_of_memory = isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc)
         if error is not None:
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            if len(clips) == 1:
-                self.fail(clips[0], "encode_error", error)
-                return
-            self.batch_size = max(1, len(clips) // 2)
-            self.notes.append(
-                f"a batch of {len(clips)} clips failed ({error.split(':')[0]}); batch size {self.batch_size} from then on"
-            )
-            self.launch(clips)
+            self._retry(clips, error, out_of_memory)
             return
         batch = Batch(clips, [_to_host(t) for t in latents], texts, marks)
         self.clock.mark(marks, "copy_back")
@@ -291,6 +283,24 @@ class BatchEncoder:
             batch.ready = torch.cuda.Event()
             batch.ready.record()
         self.output.put(batch)
+
+    def _retry(self, clips: list[Clip], error: str, out_of_memory: bool) -> None:
+        """After a failed call: one clip is a failure row; a batch out of memory is split in halves (the
+        smaller size kept for the rest of the run); a batch that failed otherwise is encoded clip by
+        clip, so only the clips that fail alone are failures."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if len(clips) == 1:
+            self.fail(clips[0], "encode_error", error)
+        elif out_of_memory:
+            self.batch_size = max(1, len(clips) // 2)
+            self.notes.append(
+                f"a batch of {len(clips)} clips ran out of memory; batch size {self.batch_size} from then on"
+            )
+            self.launch(clips)
+        else:
+            for clip in clips:
+                self._launch([clip])
 
     def _texts(self, clips: list[Clip]) -> tuple[list[Clip], list[dict[str, torch.Tensor]]]:
         """The clips whose captions encoded, and their text features ({} without text encoders); a clip

@@ -159,8 +159,9 @@ def test_each_caption_is_encoded_once(
 def test_a_batch_that_fails_is_split(
     corpus: Path, tmp_path: Path, runtime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A batched call that fails (as out of memory) is split in halves and the smaller size kept; every
-    clip is still encoded, and the run says so. A clip that fails alone is a failure row."""
+    """A batched call out of memory is split in halves and the smaller size kept; every clip is still
+    encoded, and the run says so. A batch that fails otherwise is encoded clip by clip (the batch size
+    kept); a clip that fails alone is a failure row."""
     from pfctl.models.vae import PyramidCausalVAE
 
     encode = PyramidCausalVAE.encode
@@ -184,7 +185,7 @@ def test_a_batch_that_fails_is_split(
     with pytest.raises(CheckFailed, match="nothing was encoded") as info:
         run_encode(config, runtime=runtime)
     assert {f["reason"] for f in info.value.report.failures} == {"encode_error"}
-    assert len(info.value.report.failures) == 8
+    assert len(info.value.report.failures) == 8 and info.value.report.batch_size == 2
 
 
 def _reference(corpus: Path, tmp_path: Path, runtime) -> Path:
