@@ -86,7 +86,7 @@ class EncodeReport:
 
     ``stage_seconds``: the slowest rank's seconds per stage of the loop: ``decode_wait`` (the encoder
     waiting for decoded clips), ``text``, ``h2d``, ``vae``, ``copy_back`` (device time on CUDA), ``write``
-    (the writer thread's file writes) and ``write_wait`` (the encoder waiting for room in the write
+    (the writer thread checking and writing the files, not waiting for the device) and ``write_wait`` (the encoder waiting for room in the write
     queue). ``batch_size``: clips per VAE call at the end (lower than asked after a batch failed)."""
 
     output_dir: str
