@@ -85,9 +85,10 @@ class EncodeReport:
     """What a run did (or, with ``dry_run``, would do). ``failed`` counts inputs; the rest count clips.
 
     ``stage_seconds``: the slowest rank's seconds per stage of the loop: ``decode_wait`` (the encoder
-    waiting for decoded clips), ``text``, ``h2d``, ``vae``, ``copy_back`` (device time on CUDA), ``write``
-    (the writer thread checking and writing the files, not waiting for the device) and ``write_wait`` (the encoder waiting for room in the write
-    queue). ``batch_size``: clips per VAE call at the end (lower than asked after a batch failed)."""
+    waiting for decoded clips), ``text``, ``h2d``, ``vae``, ``copy_back`` (device time on CUDA),
+    ``write`` (the writer thread checking and writing files, not its wait for the device) and
+    ``write_wait`` (the encoder waiting for room in the write queue). ``batch_size``: clips per VAE
+    call at the end (lower than asked after a batch ran out of memory)."""
 
     output_dir: str
     fingerprint: str
