@@ -239,6 +239,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--no-vae-alone", action="store_true", help="skip the VAE-alone rows")
     parser.add_argument(
+        "--cudnn-benchmark",
+        action="store_true",
+        help="an experiment, not what encode-latents does: let cuDNN time its algorithms per shape "
+        "(torch.backends.cudnn.benchmark) in this process's runs",
+    )
+    parser.add_argument(
         "--processes",
         default="1",
         help="comma-separated process counts: N > 1 runs `torchrun --nproc_per_node N -m pfctl encode-latents` "
@@ -356,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     width, height = (int(v) for v in (args.size or ("640x384" if cuda else "128x80")).split("x"))
     vae_kind = args.vae if args.vae != "auto" else ("real" if cuda else "tiny")
     dtype = args.dtype or ("bf16" if cuda else "fp32")
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
 
     with tempfile.TemporaryDirectory(prefix="pfctl-bench-") as tmp:
         tmp = Path(tmp)
@@ -390,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     _print_table(
         rows,
         f"encode-latents benchmark — {name}, {dtype}, {args.clips} clips x {frames} frames @ {width}x{height}, "
-        f"{args.num_workers} decode workers, {texts}, {gpu}; stage times: the slowest rank's seconds "
+        f"{args.num_workers} decode workers, {texts}, {gpu}{', cudnn.benchmark' if args.cudnn_benchmark else ''}; stage times: the slowest rank's seconds "
         "(device time on CUDA), VAE-alone rows: one call",
         cuda,
     )
