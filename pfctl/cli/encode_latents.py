@@ -13,8 +13,9 @@ if TYPE_CHECKING:
     from pfctl.data.encode import EncodeReport
 
 HELP = (
-    "Decode videos (decord), encode them with the video VAE and the text encoders, and write a resumable, "
-    "provenance-stamped latent cache. Without --model and --vae: the embedded model, its VAE and text encoders, "
+    "Decode videos (decord, in worker processes), encode them with the video VAE (clips of one shape batched "
+    "per call) and the text encoders (each caption once), and write a resumable, provenance-stamped latent cache "
+    "(files written by a background thread). Without --model and --vae: the embedded model, its VAE and text encoders, "
     "and its encode settings (its trained size, fps and clip length). Settings, lowest priority first: "
     "defaults < the model's own < --recipe < --set < flags."
 )
@@ -51,6 +52,22 @@ MaxFailuresOpt = Annotated[
         show_default=False,
     ),
 ]
+BatchSizeOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--batch-size",
+        help="Clips of one shape per VAE call (encode.batch_size, default 4; halved on out-of-memory).",
+        show_default=False,
+    ),
+]
+WorkersOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--num-workers",
+        help="Decode worker processes, or auto: min(8, CPU cores / processes on this host) (encode.num_workers).",
+        show_default=False,
+    ),
+]
 OverwriteOpt = Annotated[
     bool,
     typer.Option(
@@ -69,6 +86,8 @@ def encode_latents(
     vae: VaeOpt = None,
     chunking: ChunkingOpt = None,
     max_failures: MaxFailuresOpt = None,
+    batch_size: BatchSizeOpt = None,
+    num_workers: WorkersOpt = None,
     dry_run: DryRunOpt = False,
     overwrite: OverwriteOpt = False,
 ) -> None:
@@ -80,6 +99,8 @@ def encode_latents(
             "model.vae": vae,
             "encode.chunking": chunking,
             "encode.max_failures": max_failures,
+            "encode.batch_size": batch_size,
+            "encode.num_workers": int(num_workers) if num_workers and num_workers.isdigit() else num_workers,
         }
         config = resolve_config(recipe, overrides, flags)
         if show_config:
@@ -145,6 +166,9 @@ def render_report(report: EncodeReport) -> None:
         summary.add_row(name, str(value))
     out.print(summary)
     if not report.dry_run:
+        if report.stage_seconds:
+            stages = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in report.stage_seconds.items())
+            out.print(f"seconds per stage (batches of {report.batch_size}): {stages}")
         out.print(
             f"{report.clips_per_s:.2f} clips/s ({report.encode_seconds:.1f} s encoding, {report.seconds:.1f} s total)"
             + (f"; failures: {report.failures_path}" if report.failed else "")

@@ -18,6 +18,11 @@ from pydantic import Field, field_validator, model_validator
 
 from pfctl.config.base import Section
 
+MAX_BATCH = 64
+"""Upper bound of ``encode.batch_size``."""
+MAX_WORKERS = 256
+"""Upper bound of ``encode.num_workers``."""
+
 DEFAULT_BUCKETS: tuple[tuple[int, int], ...] = ((640, 384), (384, 640))
 """Pyramid Flow's 384p training resolutions as (width, height): landscape and portrait."""
 
@@ -92,10 +97,16 @@ class EncodeConfig(Section):
     # -- run control -------------------------------------------------------------------------------
     max_failures: int | None = Field(default=None, ge=0)
     """Exit 1 when more inputs than this fail (None = never; failures are always reported)."""
-    num_workers: int = Field(default=2, ge=0)
-    """DataLoader workers that decode while the VAE encodes (0 = one prefetch thread)."""
+    num_workers: int | Literal["auto"] = "auto"
+    """DataLoader worker processes that decode, resize and crop while the VAE encodes (0 = one prefetch
+    thread); ``auto``: min(8, CPU cores / processes on this host), at least 1."""
     prefetch: int = Field(default=2, ge=1)
     """Decoded videos queued ahead of the encoder (per worker)."""
+    batch_size: int = Field(default=4, ge=1, le=MAX_BATCH)
+    """Clips of one shape (frames x height x width) per VAE call; clips of other shapes wait for their
+    own batch, the last batch of each shape may be smaller. Same latents as one clip per call (to float
+    rounding). On a device that runs out of memory the batch is split in halves (and the smaller size
+    kept for the rest of the run)."""
 
     @field_validator("buckets")
     @classmethod
@@ -109,6 +120,15 @@ class EncodeConfig(Section):
             if (width, height) in seen:
                 raise ValueError(f"bucket [{width}, {height}] is listed twice")
             seen.add((width, height))
+        return value
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _check_workers(cls, value: object) -> object:
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_WORKERS:
+            raise ValueError(f"must be 'auto' or a whole number 0..{MAX_WORKERS}, got {value!r}")
         return value
 
     @model_validator(mode="after")

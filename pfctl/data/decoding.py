@@ -25,6 +25,9 @@ from pfctl.data.video import DecodedItem, FrameSettings, decode_item
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
+AUTO_WORKERS_MAX = 8
+"""``encode.num_workers: auto`` starts at most this many decode workers per process."""
+
 Work = list[tuple[Item, frozenset[str]]]
 """Items to decode, each with the clip ids already cached (not decoded again)."""
 
@@ -114,6 +117,15 @@ def _prefetch_thread(
         thread.join()
 
 
+def resolve_workers(setting: int | str, processes_here: int = 1) -> int:
+    """``encode.num_workers`` as a number: as given, or for ``auto`` min(8, usable CPU cores / processes
+    on this host), at least 1."""
+    if setting != "auto":
+        return int(setting)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(AUTO_WORKERS_MAX, cores // max(1, processes_here)))
+
+
 def decoded_items(
     work: Work, settings: FrameSettings, num_workers: int, prefetch: int, pin: bool = False
 ) -> Iterator[DecodedItem]:
@@ -138,4 +150,4 @@ def decoded_items(
     yield from _prefetch_thread(work, settings, prefetch, pin)
 
 
-__all__ = ["Work", "decoded_items", "die_with_parent"]
+__all__ = ["Work", "decoded_items", "die_with_parent", "resolve_workers"]

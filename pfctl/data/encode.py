@@ -12,7 +12,8 @@ Read :func:`run_encode` top to bottom; each step is one function:
 4. :func:`_pending_work`: shard the items over ranks (rank r takes items r, r+W, ...), skip clips already
    cached;
 5. :func:`_encode_all`: decode in DataLoader workers (or a prefetch thread) while the main thread
-   encodes; one clip file per clip (atomic), then a per-rank manifest part;
+   encodes clips batched by shape (:class:`pfctl.data.encode_batch.BatchEncoder`) and a writer thread
+   writes one clip file per clip (atomic); then a per-rank manifest part;
 6. :func:`_summarise`: the main process merges the parts into ``manifest.jsonl`` and ``failures.jsonl``
    once every rank is done.
 
@@ -20,15 +21,14 @@ A bad input never stops the run: it becomes a failure row with a reason (see
 :data:`pfctl.data.video.REASONS`). Only too many failures (``max_failures``) make it exit 1.
 
 Test hook: the fault point ``encode_written`` (``PFCTL_FAULT="encode_written:action=sleep:seconds=1"``,
-:mod:`pfctl.runtime.faults`) slows each written clip down, so a test can kill a real run half way and
+:mod:`pfctl.runtime.faults`) slows each written clip down (on the writer thread), so a test can kill a real run half way and
 check that the rerun only encodes what is missing.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
+import os
 import shutil
 import time
 from collections import Counter
@@ -42,10 +42,10 @@ import torch
 from pfctl.data import encode_setup as setup
 from pfctl.data import latent_cache as lc
 from pfctl.data.annotations import Item, load_annotations
-from pfctl.data.decoding import Work, decoded_items
+from pfctl.data.decoding import Work, decoded_items, resolve_workers
+from pfctl.data.encode_batch import BatchEncoder, Tally, failure_row, text_row
 from pfctl.data.video import (
     REASONS,
-    DecodedItem,
     FrameContract,
     FrameSettings,
     MediaError,
@@ -56,19 +56,14 @@ from pfctl.data.video import (
     probe_image,
     probe_video,
     require_decord,
-    to_model_input,
 )
 from pfctl.errors import CheckFailed, ConfigError, DistributedError, PfctlError
-from pfctl.runtime import faults
 from pfctl.runtime import logging as pflog
 
 if TYPE_CHECKING:
     from pfctl.config.encode import EncodeConfig
     from pfctl.config.schema import RecipeConfig
     from pfctl.runtime.accelerator import Runtime
-
-STORAGE_DTYPE = torch.bfloat16
-
 
 # ----------------------------------------------------------------------------------------- report
 
@@ -87,7 +82,13 @@ class PlanRow:
 
 @dataclass
 class EncodeReport:
-    """What a run did (or, with ``dry_run``, would do). ``failed`` counts inputs; the rest count clips."""
+    """What a run did (or, with ``dry_run``, would do). ``failed`` counts inputs; the rest count clips.
+
+    ``stage_seconds``: the slowest rank's seconds per stage of the loop: ``decode_wait`` (the encoder
+    waiting for decoded clips), ``text``, ``h2d``, ``vae``, ``copy_back`` (device time on CUDA),
+    ``write`` (the writer thread checking and writing files, not its wait for the device) and
+    ``write_wait`` (the encoder waiting for room in the write queue). ``batch_size``: clips per VAE
+    call at the end (lower than asked after a batch ran out of memory)."""
 
     output_dir: str
     fingerprint: str
@@ -105,6 +106,8 @@ class EncodeReport:
     stopped_early: bool = False
     plan: list[PlanRow] = field(default_factory=list)
     estimated_bytes: int = 0
+    batch_size: int = 0
+    stage_seconds: dict[str, float] = field(default_factory=dict)
     failures: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -130,213 +133,6 @@ def candidate_clip_ids(item: Item, cfg: EncodeConfig) -> list[str]:
     if item.kind == "video" and item.frames is None and cfg.clip_mode == "uniform":
         return [clip_id_for(item.id, k, "uniform") for k in range(cfg.clips_per_video)]
     return [item.id]
-
-
-# ---------------------------------------------------------------------------------------- encoding
-
-
-def _clip_seed(seed: int, clip_id: str) -> int:
-    return (seed * 1_000_003 + int(hashlib.sha1(clip_id.encode()).hexdigest()[:12], 16)) % (2**63)
-
-
-def _text_row(embeddings: Any) -> dict[str, torch.Tensor]:
-    """Batch-1 TextEmbeddings → cache tensors without the batch dimension (floats in bf16), left on
-    the text encoder's device (the caller copies them to the host)."""
-    return {
-        "prompt_embeds": embeddings.prompt_embeds[0].to(STORAGE_DTYPE),
-        "prompt_attention_mask": embeddings.prompt_attention_mask[0].to(torch.int64),
-        "pooled_prompt_embeds": embeddings.pooled_prompt_embeds[0].to(STORAGE_DTYPE),
-    }
-
-
-def non_finite(tensors: dict[str, torch.Tensor]) -> str:
-    """'' when every float tensor is finite, else which ones hold NaN/inf and how many values."""
-    bad = []
-    for name, t in sorted(tensors.items()):
-        if t.is_floating_point():
-            count = int((~torch.isfinite(t)).sum())
-            if count:
-                bad.append(f"{name} has {count} of {t.numel()} values NaN/inf")
-    return "; ".join(bad)
-
-
-def _failure_row(item: Item, error: MediaError, rank: int, clip_id: str | None = None) -> dict[str, Any]:
-    return {
-        "id": clip_id or item.id,
-        "item_id": item.id,
-        "line": item.line,
-        "source": item.source,
-        "reason": error.reason,
-        "detail": error.detail,
-        "rank": rank,
-    }
-
-
-@dataclass
-class _InFlight:
-    """A clip whose encode is queued on the device; its results are being copied to the host."""
-
-    item: Item
-    plan: Any
-    latents: dict[str, torch.Tensor]  # host tensors, filled by copies queued without blocking
-    text: dict[str, torch.Tensor]
-    ready: Any = None  # a CUDA event recorded after those copies (None: already on the host)
-
-
-def _to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Queue the copies to (page-locked) host memory; valid once the device reaches this point."""
-    return {k: v.to("cpu", non_blocking=v.is_cuda) for k, v in tensors.items()}
-
-
-@dataclass
-class _Encoder:
-    """The per-rank encoding state (models, writer, counters).
-
-    Clips are pipelined one deep: :meth:`handle` queues a clip's encode on the device, then finishes
-    the clip queued before it (waits for its latents, checks and writes them) while the device works
-    on the new one, so the GPU does not idle while the host writes files. :meth:`finish` must be
-    called once more at the end for the last clip; a clip still in flight when a run is killed was
-    never written, and a resumed run encodes it again.
-    """
-
-    cfg: EncodeConfig
-    vae: Any
-    text_encoder: Any
-    writer: lc.LatentCacheWriter
-    device: torch.device
-    dtype: torch.dtype
-    seed: int
-    rank: int
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    failures: list[dict[str, Any]] = field(default_factory=list)
-    encoded: int = 0
-    skipped: int = 0
-    pending: _InFlight | None = None
-
-    def posterior(self, frames: torch.Tensor) -> Any:
-        """VAE posterior of uint8 (T, H, W, 3) frames.
-
-        The uint8 frames go to the device first and are scaled there (in float32, then cast, as
-        before): float32 pixels are 4x the bytes to move, and converting them on the host took a
-        good part of a clip's GPU encode time. Page-locked frames (see ``decoded_items(pin=True)``)
-        are copied without waiting for the clip before.
-        """
-        pixels = frames.to(self.device, non_blocking=frames.is_pinned())
-        video = to_model_input(pixels).to(self.dtype).unsqueeze(0)  # (1, 3, T, H, W)
-        return self.vae.encode(
-            video, chunking=self.cfg.chunking, chunk_frames=self.cfg.chunk_frames, tile=self.cfg.tile
-        )
-
-    def encode_clip(self, frames: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Posterior mean and std in the storage dtype, on the encoder's device."""
-        posterior = self.posterior(frames)
-        return {
-            "latent_mean": posterior.mean[0].to(STORAGE_DTYPE),
-            "latent_std": posterior.std[0].to(STORAGE_DTYPE),
-        }
-
-    def sample_clip(self, frames: torch.Tensor, clip_id: str) -> dict[str, torch.Tensor]:
-        """One posterior sample (seeded by the clip id) in the storage dtype, on the encoder's device."""
-        posterior = self.posterior(frames)
-        generator = torch.Generator(device="cpu").manual_seed(_clip_seed(self.seed, clip_id))
-        return {"latent_sample": posterior.sample(generator)[0].to(STORAGE_DTYPE)}
-
-    def launch(self, item: Item, plan: Any, frames: torch.Tensor, text: dict[str, torch.Tensor]) -> _InFlight:
-        """Queue one clip's encode and the copies of its results to the host."""
-        if self.cfg.store == "sample":
-            latents = self.sample_clip(frames, plan.clip_id)
-        else:
-            latents = self.encode_clip(frames)
-        job = _InFlight(item=item, plan=plan, latents=_to_host(latents), text=_to_host(text))
-        if self.device.type == "cuda":
-            job.ready = torch.cuda.Event()
-            job.ready.record()
-        return job
-
-    def clip_failed(self, item: Item, clip_id: str | None, reason: str, detail: str) -> int:
-        """Record one clip's failure (it is not written; None: all clips of the item); return 1, the
-        failure count it adds."""
-        self.failures.append(_failure_row(item, MediaError(reason, detail), self.rank, clip_id))
-        return 1
-
-    def finish(self) -> int:
-        """Write the clip in flight, if any; return 1 if it failed, else 0."""
-        job, self.pending = self.pending, None
-        if job is None:
-            return 0
-        try:
-            if job.ready is not None:
-                job.ready.synchronize()
-        except Exception as exc:  # an error of the queued encode surfaces here
-            return self.clip_failed(
-                job.item, job.plan.clip_id, "encode_error", f"{type(exc).__name__}: {exc}"
-            )
-        latents, text = job.latents, job.text
-        if faults.poisoned("encode_nan", clip=job.plan.clip_id):  # test hook
-            latents = {k: torch.full_like(v, float("nan")) for k, v in latents.items()}
-        bad = non_finite({**latents, **text})
-        if bad:  # a NaN clip would poison every training step that draws it
-            return self.clip_failed(job.item, job.plan.clip_id, "non_finite", bad)
-        metadata = {
-            "item_id": job.item.id,
-            "kind": job.item.kind,
-            "source": job.item.source,
-            "source_path": str(job.item.path),
-            "text": job.item.text,
-            "line": str(job.item.line),
-            "clip_index": str(job.plan.clip_index),
-            "frame_indices": json.dumps(list(job.plan.frame_indices)),
-            "num_frames": str(job.plan.num_frames),
-            "fps": f"{job.plan.fps:g}",
-            "source_fps": f"{job.plan.source_fps:g}",
-            "source_size": f"{job.plan.source_width}x{job.plan.source_height}",
-            "bucket": job.plan.bucket.name,
-            "vae": self.vae.name,
-            "vae_class": type(self.vae.module).__name__,
-            "chunking": self.cfg.chunking,
-            "chunk_frames": str(self.cfg.chunk_frames),
-            "tile": str(self.cfg.tile),
-            "store": self.cfg.store,
-        }
-        self.rows.append(self.writer.write(job.plan.clip_id, {**latents, **text}, metadata))
-        self.encoded += 1
-        faults.fault("encode_written", clip=job.plan.clip_id)  # test hook: a slow run to kill
-        return 0
-
-    def handle(self, decoded: DecodedItem) -> int:
-        """Queue every clip of one decoded item (finishing the clip before each); return the number
-        of failures that became known."""
-        item = decoded.item
-        if decoded.failure is not None:
-            self.failures.append(_failure_row(item, decoded.failure, self.rank))
-            return 1
-        for clip_id in decoded.skipped:  # planned clips found in the cache
-            row = self.writer.finished_row(clip_id)
-            if row is not None:
-                self.rows.append(row)
-                self.skipped += 1
-        if not decoded.plans:
-            return 0
-        try:
-            text = _text_row(self.text_encoder.encode([item.text])) if self.text_encoder is not None else {}
-        except PfctlError:
-            raise
-        except Exception as exc:
-            return self.clip_failed(item, None, "encode_error", f"text: {exc}")
-        failed = 0
-        for plan, frames in zip(decoded.plans, decoded.frames, strict=True):
-            try:
-                job = self.launch(item, plan, frames, text)
-            except PfctlError:
-                raise  # a configuration problem (chunk size, tile): every clip would fail the same way
-            except Exception as exc:
-                failed += self.clip_failed(item, plan.clip_id, "encode_error", f"{type(exc).__name__}: {exc}")
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
-                continue
-            failed += self.finish()  # the clip before, while the device encodes this one
-            self.pending = job
-        return failed
 
 
 def _latent_shape(vae: Any, num_frames: int, width: int, height: int) -> tuple[int, int, int, int]:
@@ -377,7 +173,7 @@ def _dry_run(run: _Run, report: EncodeReport) -> None:
             try:
                 plans = _probe(item, run.settings)
             except MediaError as exc:
-                report.failures.append(_failure_row(item, exc, 0))
+                report.failures.append(failure_row(item, exc, 0))
                 plans = []
             for plan in plans:
                 counts = groups.setdefault((plan.bucket.name, plan.num_frames), [0, 0])
@@ -423,6 +219,7 @@ class _Run:
     header: dict[str, Any]
     text_source: tuple[Path, str] | None
     text_dims: tuple[int, int] | None
+    workers: int
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -465,7 +262,8 @@ def _prepare(config: RecipeConfig, runtime: Runtime, *, dry_run: bool) -> _Run:
         cfg = setup.apply_model_settings(cfg, setup.model_encode_settings(manifest, vae.temporal_factor))
         config = config.model_copy(update={"encode": cfg})
     contract = FrameContract.from_vae(vae, max(cfg.num_frames, cfg.max_frames))
-    settings = setup.frame_settings(cfg, contract, decode_threads=1 if cfg.num_workers > 0 else 0)
+    workers = resolve_workers(cfg.num_workers, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    settings = setup.frame_settings(cfg, contract, decode_threads=1 if workers > 0 else 0)
     setup.check_frames(cfg, settings, vae)
     setup.check_trainable_buckets(config, settings, vae)
     text_dims = setup.text_dims_from_folder(*text_source) if text_source else None
@@ -481,6 +279,7 @@ def _prepare(config: RecipeConfig, runtime: Runtime, *, dry_run: bool) -> _Run:
     run = _Run(
         cfg=cfg, runtime=runtime, items=items, root=Path(cfg.output_dir).expanduser(), dtype=dtype,
         device=device, vae=vae, settings=settings, header=header, text_source=text_source, text_dims=text_dims,
+        workers=workers,
     )  # fmt: skip
     if settings.clip_frames != cfg.num_frames and cfg.clip_mode != "full":
         run.notes.append(
@@ -515,13 +314,13 @@ def _open_folder(run: _Run, text_encoder: Any, mode: str) -> lc.LatentCacheWrite
                 f"{lc.MANIFEST_FILE} was unreadable: rebuilt from the {len(repaired)} clip file(s)"
             )
         if text_encoder is not None and not (root / lc.NULL_TEXT_FILE).is_file():
-            writer.write_null_text({k: v.cpu() for k, v in _text_row(text_encoder.empty_embedding()).items()})
+            writer.write_null_text({k: v.cpu() for k, v in text_row(text_encoder.empty_embedding()).items()})
     run.runtime.barrier()
     return writer
 
 
 @contextlib.contextmanager
-def _on_device(run: _Run, mode: str) -> Iterator[_Encoder]:
+def _on_device(run: _Run, mode: str) -> Iterator[BatchEncoder]:
     """The one context that holds the models on the device: loads the text encoder, prepares the
     folder (step 3) and yields the encoder; on the way out, whatever happens, the VAE and the text
     encoder are dropped and their device memory returned."""
@@ -530,19 +329,19 @@ def _on_device(run: _Run, mode: str) -> Iterator[_Encoder]:
         _load_text_encoder(*run.text_source, cfg, run.dtype, run.device) if run.text_source else None
     )
     writer = _open_folder(run, text_encoder, mode)
-    encoder = _Encoder(
+    encoder = BatchEncoder(
         cfg=cfg, vae=run.vae, text_encoder=text_encoder, writer=writer, device=run.device, dtype=run.dtype,
-        seed=run.runtime.seed, rank=run.runtime.rank,
+        seed=run.runtime.seed, rank=run.runtime.rank, batch_size=cfg.batch_size,
     )  # fmt: skip
     try:
         yield encoder
     finally:
-        encoder.vae = encoder.text_encoder = run.vae = text_encoder = None
+        encoder.vae = encoder.text_encoder = encoder.captions = run.vae = text_encoder = None
         if run.device.type == "cuda":
             torch.cuda.empty_cache()
 
 
-def _pending_work(run: _Run, encoder: _Encoder) -> Work:
+def _pending_work(run: _Run, encoder: BatchEncoder) -> Work:
     """Step 4: this rank's items, minus the clips already cached (counted as skipped)."""
     old_rows = _old_manifest(run.root)
     work: Work = []
@@ -556,23 +355,36 @@ def _pending_work(run: _Run, encoder: _Encoder) -> Work:
             elif (found := encoder.writer.finished_row(clip_id)) is not None:
                 cached[clip_id] = found
         if len(cached) == len(candidates):
-            encoder.rows.extend(cached.values())
-            encoder.skipped += len(cached)
+            for row in cached.values():
+                encoder.tally.cached(row)
         else:
             work.append((item, frozenset(cached)))
     pflog.log(
         f"encode-latents: {len(run.items)} inputs, {run.world} process(es); this rank: {len(work)} to decode, "
-        f"{encoder.skipped} clip(s) already cached; VAE {run.vae.name} on {run.device}, {run.cfg.chunking} chunking"
+        f"{encoder.tally.skipped} clip(s) already cached; VAE {run.vae.name} on {run.device}, {run.cfg.chunking} "
+        f"chunking, batches of {encoder.batch_size}, {run.workers} decode worker(s)"
     )
     return work
 
 
-def _encode_all(run: _Run, encoder: _Encoder, work: Work, max_failures: int | None) -> dict[str, Any]:
-    """Step 5: decode ahead, encode, write; then this rank's manifest part. Returns its stats.
+def _timed(stream: Iterator[Any], seconds: dict[str, float]) -> Iterator[Any]:
+    """``stream``, adding the time spent waiting for each element to ``seconds["decode_wait"]``."""
+    while True:
+        start = time.perf_counter()
+        got = next(stream, None)
+        seconds["decode_wait"] += time.perf_counter() - start
+        if got is None:
+            return
+        yield got
 
-    The bar counts inputs, advanced once an input's last clip is written: clips are pipelined one
-    deep (see :class:`_Encoder`), so an input whose clip is still in flight is not done yet."""
-    rank, cfg = run.runtime.rank, run.cfg
+
+def _encode_all(run: _Run, encoder: BatchEncoder, work: Work, max_failures: int | None) -> dict[str, Any]:
+    """Step 5: decode ahead, encode in batches, write behind; then this rank's manifest part. Returns
+    its stats.
+
+    The bar counts inputs, advanced once each clip of an input is written (or failed): clips wait for
+    a batch of their shape, then for the writer thread (see :class:`BatchEncoder`)."""
+    rank, cfg, tally = run.runtime.rank, run.cfg, encoder.tally
     aborted: str | None = None
     stopped_early = False
     t0 = time.monotonic()
@@ -583,38 +395,43 @@ def _encode_all(run: _Run, encoder: _Encoder, work: Work, max_failures: int | No
             ) as bar,
             # closed on the way out whatever happens (the decoders stop now, not whenever the error is freed)
             contextlib.closing(
-                decoded_items(work, run.settings, cfg.num_workers, cfg.prefetch, run.device.type == "cuda")
+                decoded_items(work, run.settings, run.workers, cfg.prefetch, run.device.type == "cuda")
             ) as stream,
         ):
-            handled = shown = 0
-            for decoded in stream:
-                encoder.handle(decoded)
-                handled += 1
-                shown = _show_progress(bar, encoder, handled - (encoder.pending is not None), shown, t0)
-                if max_failures is not None and len(encoder.failures) > max_failures:
-                    stopped_early = True
-                    break
-            encoder.finish()  # the last clip in flight
-            _show_progress(bar, encoder, handled, shown, t0)
+            shown = 0
+            with encoder.running():  # on the way out: every batch queued is written
+                for key, decoded in enumerate(_timed(stream, encoder.clock.seconds)):
+                    encoder.add(decoded, key)
+                    shown = _show_progress(bar, tally, shown, t0, len(work))
+                    if max_failures is not None and len(tally.failures) > max_failures:
+                        stopped_early = True
+                        break
+                encoder.flush()
+            _show_progress(bar, tally, shown, t0, len(work), last=True)
     except BaseException as exc:
         aborted = f"{type(exc).__name__}: {exc}"
         raise
     finally:
         stats = {
-            "rank": rank, "encoded": encoder.encoded, "skipped": encoder.skipped, "failed": len(encoder.failures),
+            "rank": rank, "encoded": tally.encoded, "skipped": tally.skipped, "failed": len(tally.failures),
             "stopped_early": stopped_early, "aborted": aborted, "loop_seconds": time.monotonic() - t0,
+            "stage_seconds": dict(encoder.clock.seconds), "batch_size": encoder.batch_size, "notes": encoder.notes,
         }  # fmt: skip
-        encoder.writer.write_part(encoder.rows, encoder.failures, stats)
+        encoder.writer.write_part(tally.rows, tally.failures, stats)
     return stats
 
 
-def _show_progress(bar: Any, encoder: _Encoder, done: int, shown: int, t0: float) -> int:
-    rate = encoder.encoded / max(time.monotonic() - t0, 1e-9)
-    bar.update(done - shown, clips=encoder.encoded, clips_per_s=f"{rate:.2f}", failed=len(encoder.failures))
+def _show_progress(bar: Any, tally: Tally, shown: int, t0: float, total: int, last: bool = False) -> int:
+    """Advance the bar to the inputs done; it reaches ``total`` only with ``last`` (once everything is
+    written), so its final line counts every clip."""
+    done = tally.items_done if last else min(tally.items_done, total - 1)
+    if done > shown or last:
+        rate = tally.encoded / max(time.monotonic() - t0, 1e-9)
+        bar.update(done - shown, clips=tally.encoded, clips_per_s=f"{rate:.2f}", failed=len(tally.failures))
     return done
 
 
-def _summarise(run: _Run, encoder: _Encoder, stats: dict[str, Any], report: EncodeReport) -> None:
+def _summarise(run: _Run, encoder: BatchEncoder, stats: dict[str, Any], report: EncodeReport) -> None:
     """Step 6: the main process waits for every rank's part and merges them; others report their own."""
     if run.runtime.is_main:
         all_stats = lc.wait_for_parts(run.root, run.world)
@@ -632,9 +449,16 @@ def _summarise(run: _Run, encoder: _Encoder, stats: dict[str, Any], report: Enco
         report.manifest_clips = len(rows)
         report.failures = failures
     else:
-        report.encoded, report.skipped, report.failures = encoder.encoded, encoder.skipped, encoder.failures
+        all_stats = [stats]
+        tally = encoder.tally
+        report.encoded, report.skipped, report.failures = tally.encoded, tally.skipped, tally.failures
         report.stopped_early = stats["stopped_early"]
         report.encode_seconds = stats["loop_seconds"]
+    for s in all_stats:  # the slowest rank's time per stage; every rank's notes
+        for stage, seconds in s["stage_seconds"].items():
+            report.stage_seconds[stage] = max(report.stage_seconds.get(stage, 0.0), seconds)
+        report.notes.extend(n for n in s["notes"] if n not in report.notes)
+    report.batch_size = min(s["batch_size"] for s in all_stats)
     report.failed = len(report.failures)
     report.failures_by_reason = dict(Counter(f["reason"] for f in report.failures))
 

@@ -510,8 +510,9 @@ def require_decord() -> None:
 
 
 def to_model_input(frames: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """uint8 (T, H, W, 3) → float (3, T, H, W) in [-1, 1] (0 → -1, 255 → 1)."""
-    x = frames.permute(3, 0, 1, 2).to(dtype)
+    """uint8 (T, H, W, 3) → float (3, T, H, W) in [-1, 1] (0 → -1, 255 → 1); a batch (B, T, H, W, 3)
+    → (B, 3, T, H, W)."""
+    x = frames.movedim(-1, -4).to(dtype)
     return x.div_(127.5).sub_(1.0)
 
 

@@ -16,7 +16,7 @@ from pfctl.errors import CheckFailed
 runner = CliRunner()
 OPTIONS = [
     "--recipe", "--set", "--print-config", "--annotations", "--output-dir", "--model", "--vae",
-    "--chunking", "--max-failures", "--dry-run", "--overwrite",
+    "--chunking", "--max-failures", "--batch-size", "--num-workers", "--dry-run", "--overwrite",
 ]  # fmt: skip
 
 
@@ -49,6 +49,7 @@ def test_flags_map_to_config_fields(fake_api: dict[str, Any]) -> None:
     args = [
         "encode-latents", "-a", "data/train.jsonl", "-o", "out/cache", "-m", "ckpt", "--vae", "causal-vae-tiny",
         "--chunking", "framewise", "--max-failures", "5", "--set", "encode.fps=30", "--dry-run", "--overwrite",
+        "--batch-size", "3", "--num-workers", "5",
     ]  # fmt: skip
     result = runner.invoke(app, args, prog_name="pfctl")
     assert result.exit_code == 0, result.output
@@ -58,7 +59,15 @@ def test_flags_map_to_config_fields(fake_api: dict[str, Any]) -> None:
     assert (
         config.encode.chunking == "framewise" and config.encode.max_failures == 5 and config.encode.fps == 30
     )
+    assert config.encode.batch_size == 3 and config.encode.num_workers == 5
     assert fake_api["kwargs"] == {"dry_run": True, "overwrite": True}
+    auto = runner.invoke(
+        app, ["encode-latents", "--num-workers", "auto", "--batch-size", "1"], prog_name="pfctl"
+    )
+    assert auto.exit_code == 0 and fake_api["config"].encode.num_workers == "auto"
+    for bad in (["--num-workers", "many"], ["--batch-size", "0"]):
+        result = runner.invoke(app, ["encode-latents", *bad], prog_name="pfctl")
+        assert result.exit_code == 2 and ("num_workers" in result.output or "batch_size" in result.output)
 
 
 def test_defaults_and_print_config(fake_api: dict[str, Any]) -> None:
@@ -73,6 +82,15 @@ def test_defaults_and_print_config(fake_api: dict[str, Any]) -> None:
 def test_summary_and_plan_rendering(fake_api: dict[str, Any]) -> None:
     result = runner.invoke(app, ["encode-latents", "-a", "x.jsonl"], prog_name="pfctl", terminal_width=200)
     assert result.exit_code == 0 and "encoded" in result.output and "3" in result.output
+    fake_api["report"] = EncodeReport(
+        output_dir="c",
+        fingerprint="abc",
+        encoded=3,
+        batch_size=2,
+        stage_seconds={"decode_wait": 0.25, "vae": 4.0},
+    )
+    result = runner.invoke(app, ["encode-latents", "-a", "x.jsonl"], prog_name="pfctl", terminal_width=200)
+    assert "seconds per stage (batches of 2): decode wait 0.2, vae 4.0" in result.output, result.output
     fake_api["report"] = EncodeReport(
         output_dir="c", fingerprint="abc", dry_run=True, estimated_bytes=3 * 2**20,
         plan=[PlanRow("640x384", 121, (16, 16, 48, 80), clips=2, cached=1, bytes_per_clip=2**20)],
@@ -108,7 +126,9 @@ def test_bad_inputs_exit_2(tmp_path: Path) -> None:
     # no model option: the embedded model, whose DiT cannot train a 96x64 bucket (refused before any work)
     args = ["encode-latents", "-a", str(tmp_path / "a.jsonl"), "-o", str(tmp_path / "c")]
     result = runner.invoke(app, [*args, "--set", "encode.buckets=[[96,64]]"], prog_name="pfctl")
-    assert result.exit_code == 2 and "96x64" in result.output and "64x64, 128x64" in result.output, result.output
+    assert result.exit_code == 2 and "96x64" in result.output and "64x64, 128x64" in result.output, (
+        result.output
+    )
     assert not (tmp_path / "c").exists()
 
 

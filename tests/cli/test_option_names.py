@@ -15,10 +15,12 @@ OPTIONS = {
     "encode-latents": COMMON
     | {
         "--annotations",
+        "--batch-size",
         "--chunking",
         "--dry-run",
         "--max-failures",
         "--model",
+        "--num-workers",
         "--output-dir",
         "--overwrite",
         "--vae",

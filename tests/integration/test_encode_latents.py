@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.caches import assert_same_cache
 from helpers.tolerance import rounding_rtol
 from pfctl.config.load import load_config
 from pfctl.data import latent_cache as lc
@@ -229,33 +230,43 @@ def test_uniform_clips_full_mode_and_sample_store(corpus: Path, tmp_path: Path, 
     assert set(cache.load("videos/a")) == {"latent_sample"}
 
 
-def test_clips_are_pipelined_one_deep(
+def test_clips_are_written_behind_the_encoder(
     corpus: Path, tmp_path: Path, runtime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each clip's encode is queued before the clip before it is written (the GPU works while the host
-    writes), across items too, and the last clip is written at the end."""
+    """Clip files are written by a background thread while the encoding thread goes on: the VAE call of
+    the second batch starts before the (slow) write of the first clip ends, and every clip is written
+    before the run returns."""
+    import threading
+
     from pfctl.models.vae import PyramidCausalVAE
 
-    events: list[str] = []
+    events: list[tuple[str, str, float]] = []
     encode, write = PyramidCausalVAE.encode, lc.LatentCacheWriter.write
 
     def encoding(self, video, **kwargs):
-        events.append("encode")
+        events.append(("encode", threading.current_thread().name, time.monotonic()))
         return encode(self, video, **kwargs)
 
     def writing(self, clip_id, tensors, metadata):
-        events.append("write")
-        return write(self, clip_id, tensors, metadata)
+        if not any(e[0] == "written" for e in events):
+            time.sleep(1.0)
+        row = write(self, clip_id, tensors, metadata)
+        events.append(("written", threading.current_thread().name, time.monotonic()))
+        return row
 
     monkeypatch.setattr(PyramidCausalVAE, "encode", encoding)
     monkeypatch.setattr(lc.LatentCacheWriter, "write", writing)
     report = run_encode(
-        _config(corpus / "train.jsonl", tmp_path / "c", clip_mode="uniform", clips_per_video=2),
+        _config(corpus / "train.jsonl", tmp_path / "c", clip_mode="uniform", clips_per_video=2, batch_size=1),
         runtime=runtime,
     )
     n = report.encoded
     assert n == 7 and len(lc.LatentCache.open(tmp_path / "c").ids()) == n
-    assert events == ["encode"] + ["encode", "write"] * (n - 1) + ["write"]
+    encodes = [t for kind, _, t in events if kind == "encode"]
+    writes = [t for kind, _, t in events if kind == "written"]
+    assert len(encodes) == len(writes) == n and encodes[1] < writes[0]
+    assert {name for kind, name, _ in events if kind == "written"} == {"pfctl-write"}
+    assert "pfctl-write" not in {t.name for t in threading.enumerate()}  # joined
 
 
 def test_decode_thread_is_joined_however_the_consumer_stops(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -332,7 +343,7 @@ def _cli_args(ann: Path, out: Path, workers: int = 0) -> list[str]:
         "-a", str(ann), "-o", str(out), "--vae", "causal-vae-tiny",
         "--set", "encode.text=false", "--set", f"encode.buckets={json.dumps(BUCKETS)}",
         "--set", "encode.num_frames=9", "--set", f"encode.num_workers={workers}", "--set", "runtime.device=cpu",
-        "--set", "encode.dtype=fp32",
+        "--set", "encode.dtype=fp32", "--set", "encode.batch_size=2",
     ]  # fmt: skip
 
 
@@ -393,6 +404,16 @@ def test_two_processes_write_every_clip_exactly_once(corpus: Path, tmp_path: Pat
     assert [(f["id"], f["reason"]) for f in failures] == [("missing", "missing")]
     assert len(_stamps(out)) == 6 and not (out / lc.PARTS_DIR).exists()
     assert done.stdout.count("encode-latents →") == 1  # one summary, from the main process
+    # the same cache as one process (each rank batched its own share: other batches, same latents)
+    one = subprocess.run(
+        _cli(*_cli_args(ann, tmp_path / "one", workers=1)),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    assert_same_cache(out, tmp_path / "one")
 
 
 def _embedded_config(ann: Path, out: Path, **flags):
