@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -315,7 +316,14 @@ def _evaluate(eval_dir: Path, folder: Path, *, custom: bool, generate: dict[str,
         variant=DEFAULT_VARIANT,
         generate=generate if custom else None,
     )
-    _log(f"colour accuracy {score.color_accuracy:.1%}, direction accuracy {score.direction_accuracy:.1%}")
+    _log(
+        f"colour accuracy {score.color_accuracy:.1%}, direction accuracy {score.direction_accuracy:.1%}, "
+        f"shape accuracy {score.shape_accuracy:.1%}"
+    )
+    # which colour / shape was drawn instead: where the model (or the VAE) loses the caption
+    for key in ("color", "shape"):
+        wrong = Counter((r[f"expected_{key}"], r[key]) for r in score.rows if not r[f"{key}_ok"])
+        _log(f"{key} drawn instead (asked, drawn): {dict(wrong.most_common())}")
 
 
 def main(argv: list[str] | None = None) -> None:
