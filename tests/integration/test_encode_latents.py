@@ -47,21 +47,6 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.fixture(scope="session")
-def text_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from helpers.tiny_models import make_text_encoder_folder
-
-    return make_text_encoder_folder(tmp_path_factory.mktemp("text"))
-
-
-@pytest.fixture(scope="session")
-def runtime():
-    from pfctl.config.schema import RuntimeConfig
-    from pfctl.runtime.accelerator import build_runtime
-
-    return build_runtime(RuntimeConfig(device="cpu"))
-
-
 def _config(annotations: Path, out: Path, **encode):
     flags = {
         "encode.annotations": str(annotations),

@@ -47,14 +47,6 @@ def components(model_dir):
     return load_components(model_dir, dtype=torch.float32, device="cpu")
 
 
-@pytest.fixture(scope="module")
-def runtime():
-    from pfctl.config.schema import RuntimeConfig
-    from pfctl.runtime.accelerator import build_runtime
-
-    return build_runtime(RuntimeConfig(device="cpu"))
-
-
 def make_config(model_dir: Path, out: Path, *overrides: str):
     return load_config(None, [f"model.path={model_dir}", f"generate.output_dir={out}", *FAST, *overrides])
 
