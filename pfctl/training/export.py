@@ -174,10 +174,17 @@ def export_official(
     src = _read_source(path, None if base is None else str(base), variant, ema)
     chosen = variant or src.variant or _only_variant(src.base)
     if chosen is None:
-        raise ConfigError(f"cannot tell which DiT variant {path} is", hint="pass --variant, e.g. diffusion_transformer_384p")
+        raise ConfigError(
+            f"cannot tell which DiT variant {path} is", hint="pass --variant, e.g. diffusion_transformer_384p"
+        )
     if src.base is None:
         raise CheckpointError(f"{path} names no base model with a VAE and text encoders", hint="pass --base")
-    provenance = {"source": str(path.resolve()), "source_kind": src.kind, "weights": src.weights, **src.provenance}
+    provenance = {
+        "source": str(path.resolve()),
+        "source_kind": src.kind,
+        "weights": src.weights,
+        **src.provenance,
+    }
     written = write_official_folder(
         out, src.dit, base=src.base, variant=chosen, provenance=provenance,
         dtype=None if dtype is None else DTYPES[dtype], replace=replace,

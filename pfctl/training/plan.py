@@ -12,7 +12,7 @@ Tokens are DiT image tokens (2x2 latent patches), history included, text exclude
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,27 @@ def column_tokens(stage: int, units: int | None, frames: int, height: int, width
     for k, sl in history_layout(stage, units - 1):
         total += len(history[sl]) * tokens_per_frame(height, width, k)
     return total
+
+
+def token_count_sets(
+    train: TrainConfig, rank: int, buckets: Iterable[tuple[int, int, int]]
+) -> dict[tuple[Any, ...], tuple[int, ...]]:
+    """Every distinct DiT input this rank's forwards build, as ``{(bucket, units): tokens of each column}``:
+    one per clip bucket ``(frames, height, width)`` (frames clamped to ``max_units``) and, with the temporal
+    pyramid, per unit position the rank cycles through (``max_units / video_sync_group`` of them). These are
+    the shapes compiled blocks compile (and CUDA graphs record) once each."""
+    stages = columns_to_stages(train.sample_ratios)
+    out: dict[tuple[Any, ...], tuple[int, ...]] = {}
+    for frames, height, width in sorted(set(buckets)):
+        frames = min(frames, train.max_units)
+        turns = train.max_units // train.video_sync_group if train.use_temporal_pyramid else 1
+        for counter in range(turns):
+            units = stage_units(train, counter, rank, frames)
+            tokens = tuple(
+                column_tokens(s, None if units is None else units[s], frames, height, width) for s in stages
+            )
+            out[((frames, height, width), units)] = tokens
+    return out
 
 
 def stage_units(train: TrainConfig, micro_step: int, rank: int, frames: int) -> tuple[int, int, int] | None:

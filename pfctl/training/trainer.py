@@ -60,9 +60,9 @@ from pfctl.training.data import (
 )
 from pfctl.training.ema import EMA
 from pfctl.training.evaluate import ValidationSamples, sample_validation
-from pfctl.training.logs import RunLogs, mfu, peak_flops
+from pfctl.training.logs import RunLogs, WarmupWatch, mfu, peak_flops
 from pfctl.training.optim import build_lr_scheduler, build_optimizer, restore_lr_scheduler
-from pfctl.training.plan import check_cache_buckets, measured_assignment
+from pfctl.training.plan import check_cache_buckets, measured_assignment, token_count_sets
 from pfctl.training.summary import write_summary
 from pfctl.training.trackers import flat_config, log_validation, start_trackers
 from pfctl.training.weights import trained_weights
@@ -106,6 +106,7 @@ class Trainer:
         self.loaded: ckpt.LoadedCheckpoint | None = None
         self.started = time.perf_counter()  # wall time of the run: metrics' elapsed_s
         self.data_seconds = 0.0  # host time spent loading batches in the current step
+        self.warmup: WarmupWatch | None = None  # compiled blocks: the warm-up in the log
 
     # ------------------------------------------------------------------------------------------
     # the loop
@@ -190,6 +191,8 @@ class Trainer:
 
         tokens, samples = totals[-3], totals[-2]
         self.tokens_seen += int(tokens)
+        if self.warmup is not None:
+            self.warmup.after_step(self.step, time.perf_counter())
         seconds = time.perf_counter() - tic
         return self.step_metrics(seconds, tokens) | {
             "step": self.step,
@@ -236,6 +239,8 @@ class Trainer:
                 loss, per_stage, record = self.forward(batch)
                 acc.backward(loss / cfg.grad_accum)
             self.micro_step += 1
+            if self.warmup is not None:
+                self.warmup.saw(record["bucket"], record["units"], tic)
             if not (last and self.step + 1 >= cfg.max_steps):  # no batch after the run's last step
                 tic = time.perf_counter()
                 self.feed.prefetch(self.micro_step)
@@ -391,6 +396,7 @@ class Trainer:
         self.unwrapped = self.runtime.accelerator.unwrap_model(self.model)
         self.setup_optimizer()
         self.setup_state()
+        self.setup_warmup()
 
     def setup_runtime(self) -> None:
         """Every layout rule before any process group exists (all ranks fail alike, exit 2); then the
@@ -505,6 +511,16 @@ class Trainer:
             atomic_write_text(self.out / "config.yaml", dump_config(self.config))
             resume_step = int(self.loaded.train_state["step"]) if self.loaded is not None else None
             start_trackers(rt.accelerator, cfg, self.out, flat_config(cfg), resume_step)
+
+    def setup_warmup(self) -> None:
+        """With compiled blocks: the warm-up's inputs announced, and its end logged (:class:`WarmupWatch`)."""
+        if self.cfg.compile is not True:  # (settled: CUDA only)
+            return
+        heldout = {c.id for c in self.data.heldout}
+        buckets = [c.bucket(self.cfg.max_units) for c in cache_clips(self.data.cache) if c.id not in heldout]
+        expected = token_count_sets(self.cfg, self.runtime.rank, buckets)
+        self.warmup = WarmupWatch(expected, need=2 if self.graphed else 1)
+        self.warmup.announce()
 
     def resume(self) -> Path | None:
         """Restore optimizer, LR schedule, EMA, counters, data position and RNGs (weights: in setup)."""

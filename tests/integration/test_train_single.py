@@ -306,6 +306,39 @@ def test_skip_future_keys_trains_like_one_call_attention(
     assert_rounding_close(grouped_run.losses, one_call.losses, reduction=128, depth=3 * 32)
 
 
+def test_compiled_runs_log_their_warm_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With compiled blocks the log names the distinct inputs this rank will build (each compiled once) and
+    the step in which the last of them had its first forward: the end of the warm-up. One bucket, so the
+    unit positions cycle with the micro-steps."""
+    from pfctl.config.train import TrainSpeed
+    from pfctl.training import trainer
+    from pfctl.training.plan import token_count_sets
+
+    one_bucket = tmp_path / "cache"
+    write_synthetic_cache(str(one_bucket), [4] * 8, seed=0)
+    # settle as on CUDA (the CPU keeps its eager blocks: the watch works the same)
+    monkeypatch.setattr(
+        trainer, "resolve_train_speed", lambda train, *_: TrainSpeed(True, False, "efficient", train.fsdp)
+    )
+    cfg = config(one_bucket, tmp_path / "run", max_steps=6, grad_accum=1, export=False)
+    api.train(cfg)
+    out = capsys.readouterr().out
+    records = [json.loads(line) for line in (tmp_path / "run" / "assignments" / "rank-00000.jsonl").open()]
+    height, width = records[0]["bucket"][1:]
+    expected = token_count_sets(cfg.train, 0, [(4, height, width)])
+    assert len(expected) == cfg.train.max_units  # one process: every unit position
+    assert f"warm-up: {len(expected)} distinct inputs per rank, each compiled once" in out
+    seen: set = set()
+    last_new = next(
+        r["step"]
+        for r in records
+        if not seen.add((tuple(r["bucket"]), tuple(r["units"]))) and set(expected) <= seen
+    )
+    assert f"warm-up over at step {last_new}:" in out
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pfctl.config.train import TrainConfig
+from pfctl.config import load_config
+from pfctl.config.train import TrainConfig, columns_to_stages
 from pfctl.data.dataset import ClipInfo
 from pfctl.flow.pyramid import build_full_sequence_batch, build_temporal_pyramid_batch, pyramid_latents
 from pfctl.flow.scheduler import PyramidFlowScheduler
@@ -64,3 +65,32 @@ def test_plan_groups_share_clips_and_split_positions() -> None:
         assert set(by_key[(micro, 0)][0]["ids"]).isdisjoint(by_key[(micro, 1)][0]["ids"])
     text = report.render()
     assert "rank" in text and "tokens per sync group" in text
+
+
+@pytest.mark.parametrize(
+    ("overrides", "rank", "expected"),
+    [
+        (["train.video_sync_group=1"], 0, 16),  # one process: every unit position of M = 16
+        (["train.video_sync_group=8"], 3, 2),  # G = 8: a rank cycles through M / G positions
+        (["train.use_temporal_pyramid=false", "train.video_sync_group=8"], 0, 1),  # one input per bucket
+    ],
+)
+def test_token_count_sets_are_the_inputs_a_rank_builds(overrides: list[str], rank: int, expected: int) -> None:
+    """The warm-up's inputs (what compiled blocks compile once each) are exactly those the rank's forwards
+    cycle through, with the tokens each column's sample has."""
+    from pfctl.training.plan import token_count_sets
+
+    train = load_config("pyramid-flux-384p-8gpu", overrides).train
+    bucket = (16, 48, 80)
+    sets = token_count_sets(train, rank, [bucket, bucket])
+    assert len(sets) == expected
+    stages = columns_to_stages(train.sample_ratios)
+    for micro_step in range(3 * train.max_units):  # several cycles: nothing new beyond the sets
+        units = stage_units(train, micro_step, rank, bucket[0])
+        key = (bucket, units)
+        assert key in sets
+        assert sets[key] == tuple(
+            column_tokens(s, None if units is None else units[s], *bucket) for s in stages
+        )
+    shorter = token_count_sets(train, rank, [(3, 48, 80), (40, 48, 80)])  # clips shorter / longer than M
+    assert {b for b, _ in shorter} == {(3, 48, 80), (16, 48, 80)}
