@@ -26,9 +26,8 @@ class Group:
             return [tensor]
         import torch.distributed as dist
 
-        tensor = (
-            tensor.contiguous()
-        )  # (empty_like keeps a permuted layout, the collective writes a dense one)
+        # dense first: empty_like would keep a permuted layout, and the collective writes a dense one
+        tensor = tensor.contiguous()
         out = [torch.empty_like(tensor) for _ in range(self.size)]
         dist.all_gather(out, tensor, group=self.handle)
         return out
@@ -39,9 +38,8 @@ class Group:
             return tensor
         import torch.distributed as dist
 
-        tensor = (
-            tensor.contiguous()
-        )  # (empty_like keeps a permuted layout, the collective writes a dense one)
+        # dense first: empty_like would keep a permuted layout, and the collective writes a dense one
+        tensor = tensor.contiguous()
         out = torch.empty_like(tensor)
         dist.all_to_all_single(out, tensor, group=self.handle)
         return out
