@@ -45,19 +45,20 @@ class MemoryParts:
     dtype_bytes: int
 
 
-def _bytes(module: nn.Module | None) -> int:
-    if module is None:
+def _bytes(part: Any) -> int:
+    """Bytes of a part's parameters and buffers (a module, or an object with ``parameters()``, such as the
+    text encoders)."""
+    if part is None:
         return 0
-    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+    tensors = [*getattr(part, "parameters", tuple)(), *getattr(part, "buffers", tuple)()]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def measure_parts(text_encoder: Any, dit: nn.Module, vae: Any, dtype: torch.dtype) -> MemoryParts:
-    """The :class:`MemoryParts` of loaded parts (sizes from their tensors, at ``dtype``'s width)."""
+    """The :class:`MemoryParts` of loaded parts: sizes from their tensors, activations at ``dtype``'s width."""
     blocks = [block for _, block in dit.blocks_in_order()]
     return MemoryParts(
-        text=_bytes(
-            text_encoder if isinstance(text_encoder, nn.Module) else getattr(text_encoder, "module", None)
-        ),
+        text=_bytes(text_encoder),
         dit=_bytes(dit),
         dit_blocks=sum(_bytes(b) for b in blocks),
         dit_block=max((_bytes(b) for b in blocks), default=0),
@@ -138,13 +139,15 @@ class MemoryLevel:
 
     def record(self, parts: MemoryParts, gen: GenerateConfig, temps: list[int], width: int, height: int,
                spatial: int) -> dict[str, Any]:  # fmt: skip
-        """The sidecar's ``memory``: the level and the expected peak of the longest video (an estimate)."""
+        """The sidecar's ``memory``: the level and the expected peak of the longest video (an estimate, also
+        logged)."""
         tokens = dit_tokens(max(temps), height // spatial, width // spatial)
         rows = 2 if gen.guidance_scale > 0 else 1
         tile = gen.decode_tile if isinstance(gen.decode_tile, int) else None
         peak = expected_peak_bytes(
             self.level, parts, tokens=tokens, rows=rows, height=height, width=width, tile=tile
         )
+        pflog.log(f"low_memory {self.level}: expected peak device memory {peak / 2**30:.2f} GiB (an estimate)")
         return {
             "low_memory": self.level,
             "expected_peak_bytes": int(peak),

@@ -133,6 +133,25 @@ def test_expected_peak_adds_what_each_phase_holds():
     assert expected_peak_bytes("stream", parts, tile=32, **common) == stream
 
 
+def test_measure_parts_counts_every_part_and_the_blocks():
+    from pfctl.sampling.memory import measure_parts
+
+    class Text:  # the text encoders are no nn.Module: they expose parameters()
+        def __init__(self) -> None:
+            self.t5 = nn.Linear(10, 10)
+
+        def parameters(self):
+            return self.t5.parameters()
+
+    dit, vae = _Blocks(), nn.Conv2d(1, 1, 1)
+    dit.inner_dim = 4
+    parts = measure_parts(Text(), dit, vae, torch.bfloat16)
+    block = (16 + 4) * 4
+    assert parts.text == 110 * 4 and parts.vae == 2 * 4
+    assert (parts.dit, parts.dit_blocks, parts.dit_block) == (5 * block + 4 * 4, 3 * block, block)
+    assert (parts.dit_width, parts.dtype_bytes) == (4, 2)
+
+
 def test_dit_tokens_counts_the_last_unit_and_its_history():
     # one frame: the full-resolution clip only, 2x2 patches
     assert dit_tokens(1, 16, 16) == 8 * 8
