@@ -94,13 +94,14 @@ def _assert_matches(latents_file: Path, expected: torch.Tensor) -> None:
 CASES = [  # (DiT, processes, settings, the layout the sidecar records)
     ("flux", 2, [], {"world_size": 2, "data": 1, "cfg": 2, "sequence": 1}),
     ("flux", 4, [], {"world_size": 4, "data": 1, "cfg": 2, "sequence": 2}),
+    ("flux", 2, ["generate.parallel.cfg=off"], {"world_size": 2, "data": 1, "cfg": 1, "sequence": 2}),
     ("mmdit", 2, ["generate.parallel.cfg=off"], {"world_size": 2, "data": 1, "cfg": 1, "sequence": 2}),
     ("mmdit", 4, ["generate.parallel.sequence=4"], {"world_size": 4, "data": 1, "cfg": 1, "sequence": 4}),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("dit", "nproc", "overrides", "layout"), CASES, ids=lambda c: str(c))
+@pytest.mark.parametrize(("dit", "nproc", "overrides", "layout"), CASES, ids=[f"{d}-{n}proc-cfg{lay['cfg']}-seq{lay['sequence']}" for d, n, _, lay in CASES])
 def test_one_video_on_several_processes_equals_one_process(
     folders, single, tmp_path, dit, nproc, overrides, layout
 ):
