@@ -15,6 +15,20 @@ EXAMPLES = (
     "pfctl generate --prompts prompts.jsonl -o outputs/prompts",
     'pfctl generate "a red circle moving right" --image first_frame.png --seed 3',
 )
+NOTE = (
+    "Several processes: torchrun --standalone --nproc_per_node N -m pfctl generate ... (or accelerate launch "
+    "--multi_gpu --num_processes N -m pfctl generate ...; CPU gloo or CUDA nccl). generate.parallel.cfg (auto|on|off): "
+    "the unconditional and conditional halves of classifier-free guidance on two ranks; "
+    "generate.parallel.sequence (auto|N): N ranks split each forward's tokens (Ulysses, all-to-all over "
+    "attention heads; the DiT's heads must divide by N, else the run is refused). auto: one group of ranks "
+    "per video while there are videos to share, CFG halves when guidance is on and the group is even, the "
+    "rest splitting the sequence. The first rank of each video's group writes the mp4 and its sidecar "
+    "(which records the layout).\n\n"
+    "Low memory (--low-memory / generate.low_memory): none = everything on the GPU; offload = text encoders "
+    "on the GPU only while encoding, the VAE only while decoding, 256-px decode tiles; stream = offload plus "
+    "the DiT's blocks streamed to the GPU one at a time (block swap). The sidecar records the level's "
+    "expected peak; generate.offload=true is level offload."
+)
 
 PromptArg = Annotated[
     str | None,
@@ -76,6 +90,15 @@ NumVideosOpt = Annotated[
     int | None,
     typer.Option("--num-videos", help="Videos per prompt (seeds seed, seed+1, ...).", show_default=False),
 ]
+LowMemoryOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--low-memory",
+        help="GPU memory level: none, offload (text encoders / VAE on the GPU only for their phase, tiled "
+        "decode) or stream (offload + DiT blocks streamed one at a time). generate.low_memory.",
+        show_default=False,
+    ),
+]
 
 
 def generate(
@@ -87,6 +110,7 @@ def generate(
     duration: DurationOpt = None,
     seed: SeedOpt = None,
     num_videos: NumVideosOpt = None,
+    low_memory: LowMemoryOpt = None,
     model: ModelOpt = None,
     lora: LoraOpt = None,
     lora_scale: LoraScaleOpt = None,
@@ -105,6 +129,7 @@ def generate(
             "generate.output_dir": output_dir,
             "generate.seed": seed,
             "generate.num_videos": num_videos,
+            "generate.low_memory": low_memory,
             "generate.lora": lora_refs(lora, lora_scale),
         }
         config = resolve_config(recipe, overrides, flags)

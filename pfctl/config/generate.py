@@ -48,6 +48,35 @@ class LoraRef(Section):
     """Multiplies the adapter's contribution (1 = as trained, 0 = off, between = weaker)."""
 
 
+class ParallelConfig(Section):
+    """``generate.parallel``: how several processes (``torchrun`` / ``accelerate launch``) share the work."""
+
+    cfg: Literal["auto", "on", "off"] = "auto"
+    """Classifier-free guidance parallel: the unconditional and conditional halves of each forward on two
+    ranks, combined by an all-gather. ``auto``: on when guidance is used and a video's ranks are even."""
+    sequence: int | Literal["auto"] = "auto"
+    """Ulysses sequence parallel: ranks that split each forward's tokens (all-to-all over heads around
+    attention; the DiT's heads must divide by it). ``auto``: one group per video while there are videos to
+    share (data parallel), each group's ranks left after CFG split the sequence."""
+
+    @field_validator("cfg", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: object) -> object:
+        """YAML reads a bare ``on`` / ``off`` as a boolean."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+    @field_validator("sequence")
+    @classmethod
+    def _positive(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"generate.parallel.sequence must be auto or an integer >= 1, got {value}")
+        return value
+
+
+LOW_MEMORY_LEVELS = ("none", "offload", "stream")
+"""``generate.low_memory`` levels, least to most memory saved."""
+
+
 class GenerateConfig(Section):
     """Options of generate. Every field is recorded in each video's JSON sidecar."""
 
@@ -131,7 +160,16 @@ class GenerateConfig(Section):
     reference's VAE gives NaN in fp16."""
     offload: bool = False
     """Keep text encoders and VAE on the CPU and move each to the GPU only for its phase
-    (encode prompts → sample → decode); saves several GB of GPU memory."""
+    (encode prompts → sample → decode); saves several GB of GPU memory. The same as ``low_memory: offload``
+    (kept for existing recipes)."""
+    low_memory: Literal["none", "offload", "stream"] = "none"
+    """GPU memory level. ``none``: every part on the device throughout. ``offload``: text encoders on the
+    device only while encoding, the VAE only while decoding (the DiT leaves meanwhile), decode tiled (256 px
+    unless ``decode_tile`` is a number). ``stream``: as ``offload``, and the DiT's blocks wait on the CPU and
+    visit the device one at a time during each forward (block swap; the next block is copied on a side CUDA
+    stream while one computes). Same video at every level; the sidecar records the level and its expected peak."""
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    """Several processes on one run (:class:`ParallelConfig`)."""
     compile: bool = False
     """``torch.compile`` each DiT block (automatic dynamic shapes: the token counts become dynamic once they
     change; CUDA only). The first video pays the compilation, later ones sample faster: worth it for several
@@ -178,6 +216,11 @@ class GenerateConfig(Section):
         if (self.height is None) != (self.width is None):
             raise ValueError("give both generate.height and generate.width, or neither")
         return self
+
+    @property
+    def memory_level(self) -> str:
+        """The low-memory level in effect (``offload: true`` is level ``offload`` at least)."""
+        return "offload" if self.offload and self.low_memory == "none" else self.low_memory
 
     @property
     def num_frames(self) -> int:

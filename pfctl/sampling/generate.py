@@ -16,9 +16,12 @@
 6. :func:`_write_outputs`: the mp4 (PyAV, H.264 yuv420p) under a name that is never taken twice, then
    its JSON sidecar (:mod:`pfctl.sampling.sidecar`), both atomically.
 
-With ``generate.offload`` the text encoders and the VAE live on the CPU and visit the GPU only for
-their phase (and the DiT leaves the GPU while the VAE decodes), as the reference's
-``cpu_offloading`` does; :class:`Offload` is the one place parts move.
+With ``generate.low_memory`` ``offload`` (or ``generate.offload``) the text encoders and the VAE live on the
+CPU and visit the GPU only for their phase (and the DiT leaves the GPU while the VAE decodes), as the
+reference's ``cpu_offloading`` does; :class:`Offload` is the one place parts move. Level ``stream`` also
+streams the DiT's blocks (:mod:`pfctl.sampling.memory`). Under ``torchrun`` / ``accelerate launch`` the
+ranks share the videos and each video's forwards (:mod:`pfctl.sampling.parallel`); the first rank of a
+video's group writes it.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ from pfctl.sampling.decode import (
     prepare_image,
     resolve_decode_tile,
 )
+from pfctl.sampling.memory import MemoryLevel, measure_parts
+from pfctl.sampling.parallel import ParallelRun, check_layout, setup_parallel
 from pfctl.sampling.sampler import SamplingSettings, TextConditioning, generate_latents
 
 __all__ = ["GenerateReport", "Offload", "PromptSpec", "VideoResult", "run_generate"]
@@ -92,6 +97,7 @@ class GenerateReport:
     height: int
     seconds: float
     peak_memory_bytes: int | None = None
+    """The whole run's peak CUDA memory (text encoders, DiT and VAE; None off CUDA)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -413,6 +419,7 @@ class _Run:
     output_dir: Path
     runtime_info: dict[str, Any]
     keep_latents: bool
+    parallel: ParallelRun
     images: dict[str, tuple[torch.Tensor, dict[str, Any]]] = field(default_factory=dict)
 
 
@@ -452,7 +459,7 @@ def _sample(run: _Run, job: _Job, text: TextConditioning, on_call: Any) -> tuple
         video_guidance_scale=job.video_guidance_scale,
     )
     latents = generate_latents(
-        m.dit, text, settings,
+        run.parallel.dit_for(m.dit, job.guidance_scale), text, settings,
         temp=job.temp, height=shape[3], width=shape[4], latent_channels=latent_channels,
         initial_noise=initial_noise, generator=generator, image_latent=image_latent,
         dtype=m.dtype, device=run.device, graphs=run.graphs, on_dit_call=on_call,
@@ -480,8 +487,8 @@ def _decode(run: _Run, latents: torch.Tensor) -> tuple[torch.Tensor, int | None]
 
 def _generate_video(
     run: _Run, job: _Job, text: tuple[str, TextConditioning], label: str, bar: Any
-) -> VideoResult:
-    """Steps 4-6 for one video."""
+) -> VideoResult | None:
+    """Steps 4-6 for one video (4 only on a rank that shares the video but does not write it: None)."""
     t0 = time.perf_counter()
     prompt_used, conditioning = text
     m = run.model
@@ -495,6 +502,8 @@ def _generate_video(
 
     latents, image_latent, image_info = _sample(run, job, conditioning, on_call)
     t_sample = _finished(run.device) - t0
+    if not run.parallel.writes:
+        return None
     frames, tile = _decode(run, latents)
     t_decode = _finished(run.device) - t0 - t_sample
     result = _write_outputs(
@@ -535,27 +544,33 @@ def run_generate(
         from pfctl.runtime.accelerator import build_runtime
 
         runtime = build_runtime(config.runtime)
+    jobs = _plan_jobs(specs, config.generate, runtime.seed, image)
+    check_layout(config.generate, runtime.world_size, len(jobs))  # before loading: refused on every rank
     device = torch.device(runtime.device)
-    offload = config.generate.offload and device.type != "cpu"
-    if config.generate.offload and not offload:
-        pflog.log("generate.offload has no effect on the CPU")
-    m = _load_model(config, components, device, offload)
-    gen = m.config.generate
-    jobs = _plan_jobs(specs, gen, runtime.seed, image)
-    # several processes: each takes every world_size-th video (names never collide: exclusive publish)
-    jobs = jobs[runtime.rank :: runtime.world_size] if runtime.world_size > 1 else jobs
+    if device.type == "cuda":  # the whole run's peak: text encoders, DiT and VAE
+        torch.cuda.reset_peak_memory_stats(device)
+    level = MemoryLevel.of(config.generate, device)
+    m = _load_model(config, components, device, level.moves)
+    m, jobs, parallel = _layout(m, runtime, level, specs, image)
     runtime_info = {
         "device": str(device),
         "dtype": str(m.dtype).replace("torch.", ""),
         "world_size": runtime.world_size,
-    }
-    with Offload(device, offload, dit=m.dit, vae=m.vae.module, text=m.text_encoder) as parts:
+        "parallel": parallel.record(),
+        "memory": level.record(
+            measure_parts(m.text_encoder, m.dit, m.vae, m.dtype), m.config.generate,
+            [j.temp for j in jobs] or [m.config.generate.temp], m.width, m.height,
+            int(getattr(m.vae, "spatial_factor", 8)),
+        ),
+    }  # fmt: skip
+    gen = m.config.generate
+    parts = Offload(device, level.moves, dit=level.dit_part(m.dit), vae=m.vae.module, text=m.text_encoder)
+    # prompts first: the text encoders visit the device before the DiT arrives
+    conditioning = _encode_prompts(jobs, m.text_encoder, gen, parts)
+    with parts:
         m.dit.set_attention_backend(gen.attention, gen.skip_future_keys, gen.row_group_min_tokens)
-        graphs = _fast_paths(m, device, keep_graphs=not offload and len(jobs) > 1)
-        conditioning = _encode_prompts(jobs, m.text_encoder, gen, parts)
-        run = _Run(m, gen, device, parts, graphs, output_dir, runtime_info, keep_latents)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        graphs = _fast_paths(m, device, keep_graphs=not level.moves and len(jobs) > 1)
+        run = _Run(m, gen, device, parts, graphs, output_dir, runtime_info, keep_latents, parallel)
         with pflog.progress("generate", total=sum(_dit_calls(j, gen) for j in jobs)) as bar:
             results = [
                 _generate_video(run, job, conditioning[id(job)], f"[{n}/{len(jobs)}]", bar)
@@ -565,9 +580,24 @@ def run_generate(
         graphs.release()
     peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
     return GenerateReport(
-        videos=results, output_dir=output_dir, model=m.record, width=m.width, height=m.height,
-        seconds=time.perf_counter() - start, peak_memory_bytes=peak,
+        videos=[r for r in results if r is not None], output_dir=output_dir, model=m.record, width=m.width,
+        height=m.height, seconds=time.perf_counter() - start, peak_memory_bytes=peak,
     )  # fmt: skip
+
+
+def _layout(
+    m: _Model, runtime: Any, level: MemoryLevel, specs: list[PromptSpec], image: str | None
+) -> tuple[_Model, list[_Job], ParallelRun]:
+    """The settings the memory level and the parallel layout imply, this rank's jobs and its layout.
+    Several ranks on one video (collectives in every forward) run without CUDA graphs or compiled blocks."""
+    gen = level.adjust(m.config.generate)
+    jobs = _plan_jobs(specs, gen, runtime.seed, image)
+    parallel = setup_parallel(gen, runtime, m.dit, len(jobs))
+    if parallel.shares_videos and (gen.cuda_graphs or gen.compile):
+        gen = gen.model_copy(update={"cuda_graphs": False, "compile": False})
+    m = dataclasses.replace(m, config=m.config.model_copy(update={"generate": gen}))
+    # each group of ranks takes every data-th video (names never collide: exclusive publish)
+    return m, parallel.my_jobs(jobs), parallel
 
 
 def _write_outputs(

@@ -34,6 +34,7 @@ OPTIONS = {
         "--image",
         "--lora",
         "--lora-scale",
+        "--low-memory",
         "--model",
         "--num-videos",
         "--output-dir",
