@@ -1,4 +1,4 @@
-"""Comparing two latent caches (encode-latents tests)."""
+"""encode-latents tests: a quick tiny-VAE config, and comparing two latent caches."""
 
 from __future__ import annotations
 
@@ -7,7 +7,28 @@ from pathlib import Path
 import torch
 
 from helpers.tolerance import rounding_rtol
+from pfctl.config import load_config
 from pfctl.data import latent_cache as lc
+
+BUCKETS = [[32, 24], [24, 32]]
+"""Small buckets keep the tiny VAE at ~0.1 s per clip on 2 cores."""
+
+
+def encode_config(annotations: Path, out: Path, **encode):
+    """The tiny causal VAE on ``annotations`` into ``out``: 9 frames, :data:`BUCKETS`, no text, fp32 (bf16
+    convolutions are slow on CPUs), decoding in this process; ``encode`` overrides any ``encode.`` key."""
+    flags = {
+        "encode.annotations": str(annotations),
+        "encode.output_dir": str(out),
+        "model.vae": "causal-vae-tiny",
+        "encode.buckets": BUCKETS,
+        "encode.num_frames": 9,
+        "encode.num_workers": 0,
+        "encode.text": False,
+        "encode.dtype": "fp32",
+    }
+    flags.update({f"encode.{k}": v for k, v in encode.items()})
+    return load_config(None, [], flags)
 
 
 def assert_same_cache(got: Path, want: Path) -> None:

@@ -125,3 +125,14 @@ def make_official_folder(
     if with_text:
         make_text_encoder_folder(root, kind=text_kind, seed=seed)
     return root
+
+
+FAST_GENERATE = [
+    "generate.width=64",
+    "generate.height=64",
+    "generate.strict_resolution=false",
+    "generate.num_inference_steps=[1,1,1]",
+    "generate.video_num_inference_steps=[1,1,1]",
+    "runtime.device=cpu",
+]
+"""``generate`` overrides that make a tiny model's video quick on the CPU: 64x64, one step per stage."""

@@ -25,7 +25,9 @@ from collections.abc import Sequence
 import torch
 
 
-def rounding_rtol(reduction: int, depth: int = 1, ulps: float = 8.0, dtype: torch.dtype = torch.float32) -> float:
+def rounding_rtol(
+    reduction: int, depth: int = 1, ulps: float = 8.0, dtype: torch.dtype = torch.float32
+) -> float:
     """Relative tolerance for ``depth`` chained sums of ``reduction`` terms each, in ``dtype``."""
     return ulps * torch.finfo(dtype).eps * math.sqrt(max(reduction, 1) * max(depth, 1))
 

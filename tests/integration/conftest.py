@@ -1,4 +1,5 @@
-"""Fixtures the integration tests share: a tiny text-encoder folder and a CPU runtime, built once a session."""
+"""Fixtures the integration tests share: a tiny text-encoder folder and a CPU runtime (built once a session), a
+tiny model folder in the official layout (once per module)."""
 
 from __future__ import annotations
 
@@ -20,3 +21,10 @@ def runtime():
     from pfctl.runtime.accelerator import build_runtime
 
     return build_runtime(RuntimeConfig(device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from helpers.tiny_models import make_official_folder
+
+    return make_official_folder(tmp_path_factory.mktemp("models"))

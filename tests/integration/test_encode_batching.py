@@ -11,15 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.caches import assert_same_cache
+from helpers.caches import assert_same_cache, encode_config
 from helpers.tolerance import rounding_rtol
-from pfctl.config.load import load_config
 from pfctl.data import latent_cache as lc
 from pfctl.data.encode import run_encode
 from pfctl.data.synthetic import index_frames, moving_frames, write_video
 from pfctl.errors import CheckFailed
-
-BUCKETS = [[32, 24], [24, 32]]
 
 
 @pytest.fixture(scope="module")
@@ -44,18 +41,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(corpus: Path, out: Path, **encode):
-    flags = {
-        "encode.annotations": str(corpus / "train.jsonl"),
-        "encode.output_dir": str(out),
-        "model.vae": "causal-vae-tiny",
-        "encode.buckets": BUCKETS,
-        "encode.num_frames": 9,
-        "encode.num_workers": 0,
-        "encode.text": False,
-        "encode.dtype": "fp32",
-    }
-    flags.update({f"encode.{k}": v for k, v in encode.items()})
-    return load_config(None, [], flags)
+    return encode_config(corpus / "train.jsonl", out, **encode)
 
 
 def _spy_vae(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.caches import assert_same_cache
+from helpers.caches import BUCKETS, assert_same_cache, encode_config
 from helpers.tolerance import rounding_rtol
 from pfctl.config.load import load_config
 from pfctl.data import latent_cache as lc
@@ -24,7 +24,6 @@ from pfctl.data.synthetic import index_frames, moving_frames, write_bad_media, w
 from pfctl.errors import CacheError, CheckFailed, ConfigError, InputError, ModelLoadError
 
 REPO = Path(__file__).resolve().parents[2]
-BUCKETS = [[32, 24], [24, 32]]  # small buckets keep the tiny VAE at ~0.1 s per clip on 2 cores
 
 
 @pytest.fixture(scope="session")
@@ -47,21 +46,6 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _config(annotations: Path, out: Path, **encode):
-    flags = {
-        "encode.annotations": str(annotations),
-        "encode.output_dir": str(out),
-        "model.vae": "causal-vae-tiny",
-        "encode.buckets": BUCKETS,
-        "encode.num_frames": 9,
-        "encode.num_workers": 0,
-        "encode.text": False,
-        "encode.dtype": "fp32",  # bf16 convolutions are slow on CPUs
-    }
-    flags.update({f"encode.{k}": v for k, v in encode.items()})
-    return load_config(None, [], flags)
-
-
 def _stamps(root: Path) -> dict[str, tuple[int, int]]:
     return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in root.glob("clips/*/*.safetensors")}
 
@@ -74,7 +58,7 @@ def test_tiny_vae_declares_the_8k_plus_1_contract() -> None:
 
 
 def test_round_trip_with_text(corpus: Path, text_folder: Path, tmp_path: Path, runtime) -> None:
-    config = _config(
+    config = encode_config(
         corpus / "train.jsonl", tmp_path / "cache", text=True, text_encoder=str(text_folder), num_frames=17
     )
     report = run_encode(config, runtime=runtime)
@@ -124,7 +108,7 @@ def test_round_trip_with_text(corpus: Path, text_folder: Path, tmp_path: Path, r
 
 def test_dry_run_encodes_nothing(corpus: Path, tmp_path: Path, runtime) -> None:
     out = tmp_path / "never"
-    report = run_encode(_config(corpus / "train.jsonl", out), runtime=runtime, dry_run=True)
+    report = run_encode(encode_config(corpus / "train.jsonl", out), runtime=runtime, dry_run=True)
     assert not out.exists()
     plan = {(r.bucket, r.num_frames): r for r in report.plan}
     assert plan[("32x24", 9)].clips == 2 and plan[("24x32", 9)].clips == 1 and plan[("32x24", 1)].clips == 1
@@ -137,20 +121,20 @@ def test_dry_run_encodes_nothing(corpus: Path, tmp_path: Path, runtime) -> None:
     assert report.estimated_bytes == sum(r.bytes_per_clip * r.clips for r in report.plan) > 0
     assert report.encoded == 0 and report.failed == 0
     # after a real run the dry run counts the cached clips
-    run_encode(_config(corpus / "train.jsonl", out), runtime=runtime)
-    again = run_encode(_config(corpus / "train.jsonl", out), runtime=runtime, dry_run=True)
+    run_encode(encode_config(corpus / "train.jsonl", out), runtime=runtime)
+    again = run_encode(encode_config(corpus / "train.jsonl", out), runtime=runtime, dry_run=True)
     assert sum(r.cached for r in again.plan) == 4 and again.estimated_bytes == 0
 
 
 def test_rerun_encodes_only_missing_clips(corpus: Path, tmp_path: Path, runtime) -> None:
     out = tmp_path / "cache"
-    first = run_encode(_config(corpus / "train.jsonl", out), runtime=runtime)
+    first = run_encode(encode_config(corpus / "train.jsonl", out), runtime=runtime)
     assert first.encoded == 4
     victim = out / lc.clip_relpath("videos/p")
     victim.unlink()
     (out / lc.MANIFEST_FILE).unlink()  # as after a killed run
     before = _stamps(out)
-    second = run_encode(_config(corpus / "train.jsonl", out), runtime=runtime)
+    second = run_encode(encode_config(corpus / "train.jsonl", out), runtime=runtime)
     assert (second.encoded, second.skipped, second.manifest_clips) == (1, 3, 4)
     after = _stamps(out)
     assert {k: after[k] for k in before} == before and victim.is_file()
@@ -158,15 +142,17 @@ def test_rerun_encodes_only_missing_clips(corpus: Path, tmp_path: Path, runtime)
 
 def test_fingerprint_mismatch_is_refused_and_nothing_rewritten(corpus: Path, tmp_path: Path, runtime) -> None:
     out = tmp_path / "cache"
-    run_encode(_config(corpus / "train.jsonl", out), runtime=runtime)
+    run_encode(encode_config(corpus / "train.jsonl", out), runtime=runtime)
     before, header = _stamps(out), (out / lc.HEADER_FILE).read_text()
     with pytest.raises(CacheError) as info:
-        run_encode(_config(corpus / "train.jsonl", out, fps=12), runtime=runtime)
+        run_encode(encode_config(corpus / "train.jsonl", out, fps=12), runtime=runtime)
     assert "preprocessing.fps" in info.value.message and "--overwrite" in info.value.hint
     with pytest.raises(CacheError, match="chunking"):
-        run_encode(_config(corpus / "train.jsonl", out, chunking="framewise"), runtime=runtime, dry_run=True)
+        run_encode(
+            encode_config(corpus / "train.jsonl", out, chunking="framewise"), runtime=runtime, dry_run=True
+        )
     assert _stamps(out) == before and (out / lc.HEADER_FILE).read_text() == header
-    redo = run_encode(_config(corpus / "train.jsonl", out, fps=12), runtime=runtime, overwrite=True)
+    redo = run_encode(encode_config(corpus / "train.jsonl", out, fps=12), runtime=runtime, overwrite=True)
     assert redo.encoded == 4 and redo.failed == 0
     assert lc.LatentCache.open(out).header["provenance"]["preprocessing"]["fps"] == 12
 
@@ -180,7 +166,7 @@ def test_corrupt_corpus_reasons_and_max_failures(corpus: Path, tmp_path: Path, r
     rows += [{"video": f"bad/{name}", "text": "bad"} for name in expected]
     ann = tmp_path / "mixed.jsonl"
     ann.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    config = _config(ann, tmp_path / "cache", max_source_pixels=100 * 100)
+    config = encode_config(ann, tmp_path / "cache", max_source_pixels=100 * 100)
     report = run_encode(config, runtime=runtime)
     assert report.encoded == 1 and report.failed == len(expected)
     assert sorted(report.failures_by_reason.items()) == sorted(
@@ -197,7 +183,7 @@ def test_corrupt_corpus_reasons_and_max_failures(corpus: Path, tmp_path: Path, r
 
 def test_uniform_clips_full_mode_and_sample_store(corpus: Path, tmp_path: Path, runtime) -> None:
     uniform = run_encode(
-        _config(corpus / "train.jsonl", tmp_path / "u", clip_mode="uniform", clips_per_video=3),
+        encode_config(corpus / "train.jsonl", tmp_path / "u", clip_mode="uniform", clips_per_video=3),
         runtime=runtime,
     )
     ids = lc.LatentCache.open(tmp_path / "u").ids()
@@ -207,7 +193,9 @@ def test_uniform_clips_full_mode_and_sample_store(corpus: Path, tmp_path: Path, 
         and "videos/c" in ids
         and uniform.encoded == len(ids) == 10
     )
-    config = _config(corpus / "train.jsonl", tmp_path / "f", clip_mode="full", max_frames=20, store="sample")
+    config = encode_config(
+        corpus / "train.jsonl", tmp_path / "f", clip_mode="full", max_frames=20, store="sample"
+    )
     full = run_encode(config, runtime=runtime)
     cache = lc.LatentCache.open(tmp_path / "f")
     assert full.encoded == 4 and cache.latent_keys == ("latent_sample",)
@@ -242,7 +230,9 @@ def test_clips_are_written_behind_the_encoder(
     monkeypatch.setattr(PyramidCausalVAE, "encode", encoding)
     monkeypatch.setattr(lc.LatentCacheWriter, "write", writing)
     report = run_encode(
-        _config(corpus / "train.jsonl", tmp_path / "c", clip_mode="uniform", clips_per_video=2, batch_size=1),
+        encode_config(
+            corpus / "train.jsonl", tmp_path / "c", clip_mode="uniform", clips_per_video=2, batch_size=1
+        ),
         runtime=runtime,
     )
     n = report.encoded
@@ -291,17 +281,17 @@ def test_decode_thread_is_joined_however_the_consumer_stops(monkeypatch: pytest.
 
 def test_input_errors_exit_2(corpus: Path, tmp_path: Path, runtime) -> None:
     with pytest.raises(InputError, match="does not exist"):
-        run_encode(_config(tmp_path / "none.jsonl", tmp_path / "c"), runtime=runtime)
+        run_encode(encode_config(tmp_path / "none.jsonl", tmp_path / "c"), runtime=runtime)
     with pytest.raises(ConfigError, match="no text encoder folder"):
-        run_encode(_config(corpus / "train.jsonl", tmp_path / "c", text=True), runtime=runtime)
-    config = _config(corpus / "train.jsonl", tmp_path / "c")
+        run_encode(encode_config(corpus / "train.jsonl", tmp_path / "c", text=True), runtime=runtime)
+    config = encode_config(corpus / "train.jsonl", tmp_path / "c")
     with pytest.raises(ModelLoadError, match="neither a folder nor a built-in"):
         run_encode(
             config.model_copy(update={"model": config.model.model_copy(update={"vae": "nope-vae"})}),
             runtime=runtime,
         )
     with pytest.raises(ConfigError, match="spatial factor"):
-        run_encode(_config(corpus / "train.jsonl", tmp_path / "c", buckets=[[60, 48]]), runtime=runtime)
+        run_encode(encode_config(corpus / "train.jsonl", tmp_path / "c", buckets=[[60, 48]]), runtime=runtime)
     assert not (tmp_path / "c").exists()
 
 
@@ -311,7 +301,7 @@ def test_missing_decord_is_one_clear_error(
     """Without decord every video would fail on its own in the workers; say it once, up front."""
     monkeypatch.setitem(sys.modules, "decord", None)  # makes `import decord` raise ImportError
     with pytest.raises(ConfigError, match="decord") as err:
-        run_encode(_config(corpus / "train.jsonl", tmp_path / "c"), runtime=runtime)
+        run_encode(encode_config(corpus / "train.jsonl", tmp_path / "c"), runtime=runtime)
     assert err.value.exit_code == 2 and "pip install decord" in str(err.value)
     assert not (tmp_path / "c").exists()
 
@@ -461,13 +451,13 @@ def test_torn_manifest_is_rebuilt_by_the_rerun(corpus: Path, tmp_path: Path, run
     """A manifest cut mid-line (a crash or a full disk while it was written): the rerun rebuilds it from
     the clip files, re-encodes nothing, and the cache opens again."""
     out = tmp_path / "c"
-    run_encode(_config(corpus / "train.jsonl", out), runtime=runtime)
+    run_encode(encode_config(corpus / "train.jsonl", out), runtime=runtime)
     manifest = out / lc.MANIFEST_FILE
     whole, before = manifest.read_text(), _stamps(out)
     manifest.write_text(whole[: len(whole) - len(whole.splitlines()[-1]) // 2 - 1])
     with pytest.raises(CacheError, match="not valid JSON"):
         lc.LatentCache.open(out)
-    report = run_encode(_config(corpus / "train.jsonl", out), runtime=runtime)
+    report = run_encode(encode_config(corpus / "train.jsonl", out), runtime=runtime)
     assert report.encoded == 0 and report.skipped == len(before) == report.manifest_clips
     assert _stamps(out) == before  # no clip re-encoded or rewritten
     assert manifest.read_text() == whole and len(lc.LatentCache.open(out)) == len(before)
@@ -479,7 +469,7 @@ def test_progress_ends_with_every_clip_counted(
 ) -> None:
     """The bar's last line counts every input and every clip: the clip still in flight when the last
     input was handed over is written (and counted) before the bar reaches its total."""
-    report = run_encode(_config(corpus / "train.jsonl", tmp_path / "c"), runtime=runtime)
+    report = run_encode(encode_config(corpus / "train.jsonl", tmp_path / "c"), runtime=runtime)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("encoding:")]
     assert report.encoded == 4 and lines, lines
     assert re.match(r"encoding: 4/4 \(.*\) clips=4 ", lines[-1]) and len(lines) == 1, lines

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from helpers.parity import vae_rtol
+from helpers.tiny_models import FAST_GENERATE
 from helpers.tolerance import assert_rounding_close, rounding_rtol
 from pfctl.config import load_config
 from pfctl.config.generate import PromptSpec
@@ -23,21 +24,7 @@ from pfctl.sampling.decode import decode_latents, encode_image_latent, prepare_i
 from pfctl.sampling.generate import run_generate
 from pfctl.sampling.sidecar import load_sidecar, sidecar_to_run
 
-FAST = [
-    "generate.width=64",
-    "generate.height=64",
-    "generate.strict_resolution=false",
-    "generate.num_inference_steps=[1,1,1]",
-    "generate.video_num_inference_steps=[1,1,1]",
-    "runtime.device=cpu",
-]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    from helpers.tiny_models import make_official_folder
-
-    return make_official_folder(tmp_path_factory.mktemp("models"))
+FAST = FAST_GENERATE
 
 
 @pytest.fixture(scope="module")

@@ -5,41 +5,17 @@ expected peak is the sum its docstring states."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from helpers.tiny_models import FAST_GENERATE
 from pfctl.config import load_config
 from pfctl.sampling.generate import run_generate
 from pfctl.sampling.memory import MemoryParts, dit_tokens, expected_peak_bytes
 
-FAST = [
-    "generate.width=64",
-    "generate.height=64",
-    "generate.strict_resolution=false",
-    "generate.num_inference_steps=[1,1,1]",
-    "generate.video_num_inference_steps=[1,1,1]",
-    "generate.temp=2",
-    "generate.seed=3",
-    "runtime.device=cpu",
-]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    from helpers.tiny_models import make_official_folder
-
-    return make_official_folder(tmp_path_factory.mktemp("models"))
-
-
-@pytest.fixture(scope="module")
-def runtime():
-    from pfctl.config.schema import RuntimeConfig
-    from pfctl.runtime.accelerator import build_runtime
-
-    return build_runtime(RuntimeConfig(device="cpu"))
+FAST = [*FAST_GENERATE, "generate.temp=2", "generate.seed=3"]
 
 
 @pytest.mark.slow

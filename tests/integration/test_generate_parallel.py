@@ -18,21 +18,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers.tiny_models import FAST_GENERATE
 from helpers.tolerance import assert_rounding_close
 from pfctl.config import load_config
 from pfctl.sampling.generate import run_generate
 
 SETTINGS = [
-    "generate.width=64",
-    "generate.height=64",
-    "generate.strict_resolution=false",
-    "generate.num_inference_steps=[1,1,1]",
-    "generate.video_num_inference_steps=[1,1,1]",
+    *FAST_GENERATE,
     "generate.temp=2",
     "generate.seed=7",
     "generate.save_latents=true",
     "generate.encoder_threads=1",
-    "runtime.device=cpu",
 ]
 PROMPT = "a red circle moving right"
 DITS = {
@@ -101,7 +97,11 @@ CASES = [  # (DiT, processes, settings, the layout the sidecar records)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("dit", "nproc", "overrides", "layout"), CASES, ids=[f"{d}-{n}proc-cfg{lay['cfg']}-seq{lay['sequence']}" for d, n, _, lay in CASES])
+@pytest.mark.parametrize(
+    ("dit", "nproc", "overrides", "layout"),
+    CASES,
+    ids=[f"{d}-{n}proc-cfg{lay['cfg']}-seq{lay['sequence']}" for d, n, _, lay in CASES],
+)
 def test_one_video_on_several_processes_equals_one_process(
     folders, single, tmp_path, dit, nproc, overrides, layout
 ):

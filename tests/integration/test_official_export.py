@@ -87,7 +87,9 @@ def test_the_folder_honours_the_umask(export, tmp_path):
 
 
 def test_no_ema_and_dtype_and_variant(export, tmp_path):
-    report = export_official(export, tmp_path / "o", ema=False, dtype="bf16", variant="diffusion_transformer_768p")
+    report = export_official(
+        export, tmp_path / "o", ema=False, dtype="bf16", variant="diffusion_transformer_768p"
+    )
     state = _state(report.output_dir / "diffusion_transformer_768p")
     raw = _state(export / "transformer")
     assert report.weights == "raw" and all(t.dtype == torch.bfloat16 for t in state.values())
@@ -207,7 +209,9 @@ def test_generate_from_the_official_folder_equals_the_pfctl_export(export, tmp_p
              "generate.width=64", "generate.height=64", "generate.strict_resolution=false", "generate.temp=2",
              "generate.num_inference_steps=[1,1,1]", "generate.video_num_inference_steps=[1,1,1]", *extra],
         )  # fmt: skip
-        (video,) = run_generate(config, ["a red circle moving left"], runtime=runtime, keep_latents=True).videos
+        (video,) = run_generate(
+            config, ["a red circle moving left"], runtime=runtime, keep_latents=True
+        ).videos
         latents.append(video.latents)
     # the same weights and text encoders, loaded from two folders: equal up to fp32 rounding of the
     # sampler (weights at other addresses may take other CPU kernels; see the README on portability)
@@ -234,4 +238,6 @@ def test_train_writes_the_official_folder_at_its_end(base, tmp_path, fmt):
     assert json.loads((official / PROVENANCE).read_text())["weights"] == "ema"
     assert (tmp_path / "out" / "export").is_dir() == (fmt == "both")
     # the run's final EMA weights, as its last checkpoint holds them
-    _assert_same_state(_state(official / VARIANT), _state(tmp_path / "out" / "checkpoints" / "step-000002" / "ema"))
+    _assert_same_state(
+        _state(official / VARIANT), _state(tmp_path / "out" / "checkpoints" / "step-000002" / "ema")
+    )

@@ -119,12 +119,21 @@ def test_trackers_sheets_summary_and_resume_into_the_same_run(
 def test_a_missing_tracker_package_is_a_usage_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Before any work: the dry-run (and the trainer) stop with exit 2, naming the extra to install."""
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
     with pytest.raises(ConfigError, match=r"pip install 'pfctl\[wandb\]'"):
         check_trackers(["wandb"])
     result = runner.invoke(
         app,
-        ["train", "--dry-run", "--set", "train.trackers=[wandb]", "--set", f"train.cache={tmp_path / 'none'}"],
+        [
+            "train",
+            "--dry-run",
+            "--set",
+            "train.trackers=[wandb]",
+            "--set",
+            f"train.cache={tmp_path / 'none'}",
+        ],
         prog_name="pfctl",
     )
     assert result.exit_code == 2, result.output
