@@ -347,21 +347,26 @@ class TrainSpeed:
         return "; ".join(parts) + "".join(f" ({note})" for note in self.notes)
 
 
-def resolve_train_speed(train: TrainConfig, device_type: str, world_size: int) -> TrainSpeed:
+def resolve_train_speed(
+    train: TrainConfig, device_type: str, world_size: int, no_compiler: str | None = None
+) -> TrainSpeed:
     """The ``auto`` speed options for this device and world size: compiled blocks on CUDA; CUDA graphs where
     the blocks are compiled and neither checkpointing nor a sharded block changes what a block does in its
     backward, for steps of one micro-batch; cuDNN attention with the graphs (its per-shape planning is then paid once), the
     memory-efficient kernel without. ``train.fsdp`` with one CUDA process (no host offload) shards nothing:
-    skipped, so the graphs can stay on. Explicit ``true`` / ``false`` settings are kept."""
+    skipped, so the graphs can stay on. ``no_compiler``: why ``torch.compile`` cannot generate code here (no
+    Triton): ``auto`` then keeps the eager blocks. Explicit ``true`` / ``false`` settings are kept."""
     cuda = device_type == "cuda"
     notes = []
     fsdp = train.fsdp
     if fsdp != "none" and cuda and world_size == 1 and not train.fsdp_cpu_offload:
         fsdp = "none"
         notes.append(f"train.fsdp={train.fsdp} with one process shards nothing: not applied")
-    compiled = cuda and train.compile is not False
+    compiled = cuda and (train.compile is True or (train.compile == "auto" and no_compiler is None))
     if train.compile is True and not cuda:
         notes.append("train.compile is ignored on the CPU")
+    if cuda and train.compile == "auto" and no_compiler is not None:
+        notes.append(f"eager blocks: torch.compile cannot generate code here ({no_compiler})")
     graphs = compiled and (
         train.cuda_graphs is True
         or (

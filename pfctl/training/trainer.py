@@ -422,7 +422,11 @@ class Trainer:
         """The ``auto`` speed options settled for this device and world size
         (:func:`pfctl.config.train.resolve_train_speed`): the run's config holds the settled values from here
         on (and its ``config.yaml`` shows them)."""
-        speed = resolve_train_speed(self.cfg, self.runtime.device.type, self.runtime.world_size)
+        from pfctl.models.fast.compile import compiler_missing
+
+        device = self.runtime.device.type
+        no_compiler = compiler_missing() if device == "cuda" else None
+        speed = resolve_train_speed(self.cfg, device, self.runtime.world_size, no_compiler)
         settled = {"compile": speed.compile, "cuda_graphs": speed.cuda_graphs, "attention": speed.attention}
         self.cfg = self.cfg.model_copy(update=settled | {"fsdp": speed.fsdp})
         self.config = self.config.model_copy(update={"train": self.cfg})

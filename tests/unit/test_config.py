@@ -138,7 +138,12 @@ SPEED_CASES = [
     (["train.fsdp=shard_grad_op"], "cuda", 1, (True, True, "cudnn", "none")),  # one process: nothing to shard
     (["train.grad_accum=2"], "cuda", 1, (True, False, "efficient", "none")),
     (["train.grad_accum=2", "train.cuda_graphs=true"], "cuda", 1, (True, True, "cudnn", "none")),
-    (["train.fsdp=full_shard", "train.fsdp_cpu_offload=true"], "cuda", 1, (True, False, "efficient", "full_shard")),
+    (
+        ["train.fsdp=full_shard", "train.fsdp_cpu_offload=true"],
+        "cuda",
+        1,
+        (True, False, "efficient", "full_shard"),
+    ),
     (["train.fsdp=full_shard"], "cpu", 1, (False, False, "efficient", "full_shard")),
     (["train.cuda_graphs=false"], "cuda", 1, (True, False, "efficient", "none")),
     (["train.attention=efficient"], "cuda", 1, (True, True, "efficient", "none")),
@@ -155,6 +160,18 @@ def test_speed_options_settle_per_device_and_world(
     speed = resolve_train_speed(load_config(None, overrides).train, device, world)
     assert (speed.compile, speed.cuda_graphs, speed.attention, speed.fsdp) == expected
     assert ("compiled" in speed.describe()) == speed.compile
+
+
+def test_without_a_compiler_auto_keeps_the_eager_blocks() -> None:
+    """No Triton (``auto`` settles on eager blocks, and says why); an explicit ``true`` is kept (and then
+    fails where torch.compile does, naming Triton)."""
+    from pfctl.config.train import resolve_train_speed
+
+    speed = resolve_train_speed(load_config(None).train, "cuda", 1, "Triton is not installed")
+    assert (speed.compile, speed.cuda_graphs, speed.attention) == (False, False, "efficient")
+    assert "Triton is not installed" in speed.describe()
+    forced = load_config(None, ["train.compile=true"]).train
+    assert resolve_train_speed(forced, "cuda", 1, "Triton is not installed").compile
 
 
 @pytest.mark.parametrize("name", [n for n in available_recipes() if n.startswith("pyramid-flux")])

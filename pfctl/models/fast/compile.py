@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["compile_blocks"]
+__all__ = ["compile_blocks", "compiler_missing"]
 
 
 def compile_blocks(
@@ -46,3 +46,12 @@ def compile_blocks(
     mode = "reduce-overhead" if cuda_graphs else None
     for block in blocks:
         block.compile(dynamic=dynamic, backend=backend, mode=mode)
+
+
+def compiler_missing() -> str | None:
+    """Why Inductor cannot generate GPU code on this machine (its kernels are Triton's), or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed"
+    return None
