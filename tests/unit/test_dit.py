@@ -353,6 +353,31 @@ def test_compiled_blocks_train_like_eager_blocks() -> None:
         assert_rounding_close(results[1][1][name], grad, **SUMS, msg=name)
 
 
+@pytest.mark.parametrize("kind", MODELS)
+def test_compiled_blocks_trace_each_block_kind_once(kind: str) -> None:
+    """Over a training forward and backward Dynamo traces each kind of block once, and the last block once
+    more (Flux's computes only the clips' rows, the MMDiT's has no text output): the first block, whose text
+    input is a view of the embedder's product, no longer traces its kind a second time (a second Inductor
+    compilation of its forward and backward on a GPU)."""
+    from pfctl.models.fast import FastPaths, apply_fast_paths
+
+    traced: list[str] = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        traced.append(gm.code)
+        return gm.forward
+
+    model = build(kind, num_layers=2, **({"num_single_layers": 2} if kind == "flux" else {})).train()
+    torch._dynamo.reset()
+    apply_fast_paths(model, FastPaths(PLAIN, compile=True, compile_backend=counting, independent_sizes=True))
+    try:
+        sum(o.square().mean() for o in model(**inputs())).backward()
+    finally:
+        torch._dynamo.reset()
+    kinds = {type(block).__name__ for _, block in model.blocks_in_order()}
+    assert len(traced) == len(kinds) + 1
+
+
 def test_checkpointing_applies_only_in_training_with_gradients() -> None:
     """Checkpointed blocks recompute in the backward of a training forward, never in eval or no-grad calls;
     the plain model (no speed layer) never recomputes."""

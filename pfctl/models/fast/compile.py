@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import nn
 
-__all__ = ["compile_blocks", "compiler_missing"]
+__all__ = ["OwnInputs", "compile_blocks", "compiler_missing"]
+
+
+class OwnInputs:
+    """Mixin of a compiled block: a tensor argument that is a view (the first block's text stream, a view of
+    the embedder's 3-D product) is copied into a tensor of its own before the compiled call. Dynamo guards
+    a view input on its base's sizes, so a block that gets a view in one call and a plain tensor in the next
+    (the first block and the rest) was compiled twice, forward and backward."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args = tuple(_own(a) for a in args)
+        kwargs = {k: _own(v) for k, v in kwargs.items()}
+        return super().__call__(*args, **kwargs)
+
+
+def _own(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) and value._base is not None else value
 
 
 def compile_blocks(
@@ -43,8 +62,11 @@ def compile_blocks(
         import torch.fx.experimental._config as shape_config
 
         shape_config.use_duck_shape = False
+    from pfctl.models.fast import swap_class
+
     mode = "reduce-overhead" if cuda_graphs else None
     for block in blocks:
+        swap_class(block, OwnInputs)
         block.compile(dynamic=dynamic, backend=backend, mode=mode)
 
 
