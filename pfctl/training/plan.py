@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pfctl.config.train import TrainConfig, check_train_constraints, columns_to_stages
+from pfctl.config.train import TrainConfig, check_train_constraints, columns_to_stages, resolve_train_speed
 from pfctl.data.buckets import check_buckets, grid_multiple
 from pfctl.data.dataset import (
     BatchChoice,
@@ -268,11 +268,22 @@ def dry_run(config: Any, *, world_size: int | None = None, steps: int | None = N
     )  # fmt: skip
     bad = sorted(c for c, ok in probed.items() if not ok)
     notes.append(f"cache {cache.root}: {len(clips)} clips, fingerprint {cache.fingerprint}, format ok")
+    notes.append(speed_note(train, world, [c.bucket(train.max_units) for c in clips if c.id not in heldout]))
     if bad:
         notes.append(f"clips that fail to load (replaced in the run): {', '.join(bad)}")
     report.notes = notes
     report.memory = estimate_for_run(config, cache, clips)
     return report
+
+
+def speed_note(train: TrainConfig, world_size: int, buckets: list[tuple[int, int, int]]) -> str:
+    """What the run settles its speed options to on CUDA (:func:`resolve_train_speed`) and, with compiled
+    blocks, how many distinct inputs rank 0 builds (each compiled once, and recorded once with graphs)."""
+    speed = resolve_train_speed(train, "cuda", world_size)
+    note = f"on CUDA with {world_size} process(es): {speed.describe()}"
+    if speed.compile:
+        note += f"; warm-up: {len(token_count_sets(train, 0, buckets))} distinct inputs on rank 0"
+    return note + " (the CPU runs eager blocks)"
 
 
 def estimate_for_run(config: Any, cache: Any, clips: list[ClipInfo]) -> Any:
