@@ -442,6 +442,14 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
     return result
 
 
+def image_tokens(sample: torch.Tensor | list) -> int:
+    """Image tokens of a DiT input (a latent ``[B, C, T, H, W]`` or nested lists of them): patch 2, so
+    ``(H/2)(W/2)`` per frame and item."""
+    if isinstance(sample, list):
+        return sum(image_tokens(x) for x in sample)
+    return sample.shape[0] * sample.shape[2] * (sample.shape[3] // 2) * (sample.shape[4] // 2)
+
+
 REFERENCE_ADAMW = {"lr": 1e-4, "weight_decay": 1e-4, "eps": 1e-8, "betas": (0.9, 0.999)}
 """The AdamW settings of both sides of the train comparison."""
 
@@ -581,11 +589,6 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
     optimizer_args = REFERENCE_ADAMW
 
     # --- pfctl on the recorded inputs, once per variant (attention backend, compiled blocks or not)
-    def image_tokens(sample: torch.Tensor | list) -> int:  # patch 2: (H/2)(W/2) tokens per frame
-        if isinstance(sample, list):
-            return sum(image_tokens(x) for x in sample)
-        return sample.shape[0] * sample.shape[2] * (sample.shape[3] // 2) * (sample.shape[4] // 2)
-
     tokens = [image_tokens(r["sample"]) for r in inputs]
     tolerance = TOLERANCE[device.type]
     timed = slice(warmup, None)

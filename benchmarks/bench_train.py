@@ -465,22 +465,17 @@ def reference_rows(root: Path, config: Any, setting: Setting, ours: dict[str, st
         torch.cuda.reset_peak_memory_stats()
     ref.record(inputs, [])
     runs = ref.run(setting.warmup + setting.steps)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if setting.cuda else float("nan")
+    peak = f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated" if setting.cuda else "n/a (CPU)"
     ref.close()
-
-    def image_tokens(sample: Any) -> int:  # patch 2: (H/2)(W/2) tokens per frame
-        if isinstance(sample, list):
-            return sum(image_tokens(x) for x in sample)
-        return sample.shape[0] * sample.shape[2] * (sample.shape[3] // 2) * (sample.shape[4] // 2)
 
     timed = range(setting.warmup, len(runs))
     step_s = statistics.median(runs[i][1] for i in timed)
-    tok_s = sum(image_tokens(inputs[i]["sample"]) for i in timed) / sum(runs[i][1] for i in timed)
+    tok_s = sum(br.image_tokens(inputs[i]["sample"]) for i in timed) / sum(runs[i][1] for i in timed)
     ours_tok_s = float(ours["image tokens/s per GPU"].replace(",", ""))
     return [
         ("reference step (median, one micro-batch)", f"{step_s * 1e3:.1f} ms"),
         ("reference image tokens/s", f"{tok_s:,.0f}"),
-        ("reference peak memory", f"{peak:.2f} GiB allocated"),
+        ("reference peak memory", peak),
         ("pfctl / reference (image tokens/s)", f"{ours_tok_s / tok_s:.2f}x"),
     ]
 
