@@ -352,8 +352,8 @@ def resolve_train_speed(
 ) -> TrainSpeed:
     """The ``auto`` speed options for this device and world size: compiled blocks on CUDA; CUDA graphs where
     the blocks are compiled and neither checkpointing nor a sharded block changes what a block does in its
-    backward, for steps of one micro-batch; cuDNN attention with the graphs (its per-shape planning is then paid once), the
-    memory-efficient kernel without. ``train.fsdp`` with one CUDA process (no host offload) shards nothing:
+    backward, for steps of one micro-batch; cuDNN attention with the graphs (its per-shape planning is then
+    paid once), the memory-efficient kernel without. ``train.fsdp`` with one CUDA process (no host offload) shards nothing:
     skipped, so the graphs can stay on. ``no_compiler``: why ``torch.compile`` cannot generate code here (no
     Triton): ``auto`` then keeps the eager blocks. Explicit ``true`` / ``false`` settings are kept."""
     cuda = device_type == "cuda"

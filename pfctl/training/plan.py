@@ -52,17 +52,16 @@ def column_tokens(stage: int, units: int | None, frames: int, height: int, width
 
 
 def token_count_sets(
-    train: TrainConfig, rank: int, buckets: Iterable[tuple[int, int, int]]
+    train: TrainConfig, rank: int, clips: Iterable[ClipInfo]
 ) -> dict[tuple[Any, ...], tuple[int, ...]]:
-    """Every distinct DiT input this rank's forwards build, as ``{(bucket, units): tokens of each column}``:
-    one per clip bucket ``(frames, height, width)`` (frames clamped to ``max_units``) and, with the temporal
-    pyramid, per unit position the rank cycles through (``max_units / video_sync_group`` of them). These are
-    the shapes compiled blocks compile (and CUDA graphs record) once each."""
+    """Every distinct DiT input this rank's forwards build from ``clips``, as ``{(bucket, units): tokens of
+    each column}``: one per clip bucket (:meth:`ClipInfo.bucket`) and, with the temporal pyramid, per unit
+    position the rank cycles through (``max_units / video_sync_group`` of them). These are the shapes compiled
+    blocks compile (and CUDA graphs record) once each."""
     stages = columns_to_stages(train.sample_ratios)
+    turns = train.max_units // train.video_sync_group if train.use_temporal_pyramid else 1
     out: dict[tuple[Any, ...], tuple[int, ...]] = {}
-    for frames, height, width in sorted(set(buckets)):
-        frames = min(frames, train.max_units)
-        turns = train.max_units // train.video_sync_group if train.use_temporal_pyramid else 1
+    for frames, height, width in sorted({c.bucket(train.max_units) for c in clips}):
         for counter in range(turns):
             units = stage_units(train, counter, rank, frames)
             tokens = tuple(
@@ -268,7 +267,7 @@ def dry_run(config: Any, *, world_size: int | None = None, steps: int | None = N
     )  # fmt: skip
     bad = sorted(c for c, ok in probed.items() if not ok)
     notes.append(f"cache {cache.root}: {len(clips)} clips, fingerprint {cache.fingerprint}, format ok")
-    notes.append(speed_note(train, world, [c.bucket(train.max_units) for c in clips if c.id not in heldout]))
+    notes.append(speed_note(train, world, [c for c in clips if c.id not in heldout]))
     if bad:
         notes.append(f"clips that fail to load (replaced in the run): {', '.join(bad)}")
     report.notes = notes
@@ -276,13 +275,13 @@ def dry_run(config: Any, *, world_size: int | None = None, steps: int | None = N
     return report
 
 
-def speed_note(train: TrainConfig, world_size: int, buckets: list[tuple[int, int, int]]) -> str:
+def speed_note(train: TrainConfig, world_size: int, clips: list[ClipInfo]) -> str:
     """What the run settles its speed options to on CUDA (:func:`resolve_train_speed`) and, with compiled
     blocks, how many distinct inputs rank 0 builds (each compiled once, and recorded once with graphs)."""
     speed = resolve_train_speed(train, "cuda", world_size)
     note = f"on CUDA with {world_size} process(es): {speed.describe()}"
     if speed.compile:
-        note += f"; warm-up: {len(token_count_sets(train, 0, buckets))} distinct inputs on rank 0"
+        note += f"; warm-up: {len(token_count_sets(train, 0, clips))} distinct inputs on rank 0"
     return note + " (the CPU runs eager blocks)"
 
 

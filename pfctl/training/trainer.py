@@ -521,8 +521,8 @@ class Trainer:
         if self.cfg.compile is not True:  # (settled: CUDA only)
             return
         heldout = {c.id for c in self.data.heldout}
-        buckets = [c.bucket(self.cfg.max_units) for c in cache_clips(self.data.cache) if c.id not in heldout]
-        expected = token_count_sets(self.cfg, self.runtime.rank, buckets)
+        clips = [c for c in cache_clips(self.data.cache) if c.id not in heldout]
+        expected = token_count_sets(self.cfg, self.runtime.rank, clips)
         self.warmup = WarmupWatch(expected, need=2 if self.graphed else 1)
         self.warmup.announce()
 

@@ -313,6 +313,7 @@ def test_compiled_runs_log_their_warm_up(
     the step in which the last of them had its first forward: the end of the warm-up. One bucket, so the
     unit positions cycle with the micro-steps."""
     from pfctl.config.train import TrainSpeed
+    from pfctl.data.dataset import ClipInfo
     from pfctl.training import trainer
     from pfctl.training.plan import token_count_sets
 
@@ -327,7 +328,7 @@ def test_compiled_runs_log_their_warm_up(
     out = capsys.readouterr().out
     records = [json.loads(line) for line in (tmp_path / "run" / "assignments" / "rank-00000.jsonl").open()]
     height, width = records[0]["bucket"][1:]
-    expected = token_count_sets(cfg.train, 0, [(4, height, width)])
+    expected = token_count_sets(cfg.train, 0, [ClipInfo("any", 4, height, width)])
     assert len(expected) == cfg.train.max_units  # one process: every unit position
     assert f"warm-up: {len(expected)} distinct inputs per rank, each compiled once" in out
     seen: set = set()

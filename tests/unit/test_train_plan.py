@@ -75,14 +75,20 @@ def test_plan_groups_share_clips_and_split_positions() -> None:
         (["train.use_temporal_pyramid=false", "train.video_sync_group=8"], 0, 1),  # one input per bucket
     ],
 )
-def test_token_count_sets_are_the_inputs_a_rank_builds(overrides: list[str], rank: int, expected: int) -> None:
+def test_token_count_sets_are_the_inputs_a_rank_builds(
+    overrides: list[str], rank: int, expected: int
+) -> None:
     """The warm-up's inputs (what compiled blocks compile once each) are exactly those the rank's forwards
     cycle through, with the tokens each column's sample has."""
     from pfctl.training.plan import token_count_sets
 
     train = load_config("pyramid-flux-384p-8gpu", overrides).train
     bucket = (16, 48, 80)
-    sets = token_count_sets(train, rank, [bucket, bucket])
+
+    def clip(frames: int) -> ClipInfo:
+        return ClipInfo(id=f"c{frames}", num_latent_frames=frames, height=48, width=80)
+
+    sets = token_count_sets(train, rank, [clip(16), clip(16)])
     assert len(sets) == expected
     stages = columns_to_stages(train.sample_ratios)
     for micro_step in range(3 * train.max_units):  # several cycles: nothing new beyond the sets
@@ -92,5 +98,5 @@ def test_token_count_sets_are_the_inputs_a_rank_builds(overrides: list[str], ran
         assert sets[key] == tuple(
             column_tokens(s, None if units is None else units[s], *bucket) for s in stages
         )
-    shorter = token_count_sets(train, rank, [(3, 48, 80), (40, 48, 80)])  # clips shorter / longer than M
+    shorter = token_count_sets(train, rank, [clip(3), clip(40)])  # clips shorter / longer than M
     assert {b for b, _ in shorter} == {(3, 48, 80), (16, 48, 80)}
