@@ -136,3 +136,25 @@ FAST_GENERATE = [
     "runtime.device=cpu",
 ]
 """``generate`` overrides that make a tiny model's video quick on the CPU: 64x64, one step per stage."""
+
+
+def tiny_train_config(cache: str | Path, out: str | Path, **train: Any):
+    """A quick CPU ``pfctl train`` config: the ``tiny`` preset on ``cache`` into ``out``, batch 4, 4 units,
+    seed 3, one warm-up step, every step logged; ``train`` overrides any ``train.`` key."""
+    import json
+
+    from pfctl.config import load_config
+
+    overrides = {
+        "runtime.device": "cpu",
+        "runtime.seed": 3,
+        "model.dit_preset": "tiny",
+        "train.cache": str(cache),
+        "train.output_dir": str(out),
+        "train.batch_size": 4,
+        "train.max_units": 4,
+        "train.warmup_steps": 1,
+        "train.log_every": 1,
+        **{f"train.{k}": v for k, v in train.items()},
+    }
+    return load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])

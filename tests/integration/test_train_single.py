@@ -12,9 +12,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from helpers.tiny_models import tiny_train_config
 from helpers.tolerance import assert_rounding_close
 from pfctl import api
-from pfctl.config import load_config
 from pfctl.data.dataset import write_synthetic_cache
 
 LENGTHS = [4] * 8 + [3] * 8 + [1] * 8
@@ -28,21 +28,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def config(cache: Path, out: Path, **train):
-    overrides = {
-        "runtime.device": "cpu",
-        "runtime.seed": 3,
-        "model.dit_preset": "tiny",
-        "train.cache": str(cache),
-        "train.output_dir": str(out),
-        "train.batch_size": 4,
-        "train.max_units": 4,
-        "train.lr": 2e-3,
-        "train.warmup_steps": 1,
-        "train.log_every": 1,
-        "train.checkpoint_every": 1000,
-        **{f"train.{k}": v for k, v in train.items()},
-    }
-    return load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
+    return tiny_train_config(cache, out, **{"lr": 2e-3, "checkpoint_every": 1000, **train})
 
 
 def metrics(out: Path) -> list[dict]:

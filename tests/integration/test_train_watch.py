@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
+from helpers.tiny_models import tiny_train_config
 from pfctl import api
 from pfctl.cli.app import app
 from pfctl.config import load_config
@@ -33,22 +34,6 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     header["vae"]["spec"] = "causal-vae-tiny"
     (root / "cache.json").write_text(json.dumps(header))
     return root
-
-
-def config(cache: Path, out: Path, **train):
-    overrides = {
-        "runtime.device": "cpu",
-        "runtime.seed": 3,
-        "model.dit_preset": "tiny",
-        "train.cache": str(cache),
-        "train.output_dir": str(out),
-        "train.batch_size": 4,
-        "train.max_units": 4,
-        "train.warmup_steps": 1,
-        "train.log_every": 1,
-        **{f"train.{k}": v for k, v in train.items()},
-    }
-    return load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
 
 
 def has(module: str) -> bool:
@@ -77,12 +62,12 @@ def test_trackers_sheets_summary_and_resume_into_the_same_run(
         trackers=trackers, heldout_clips=2, eval_every=2, validation_every=2, validation_units=2,
         checkpoint_every=2, export=False,
     )  # fmt: skip
-    api.train(config(cache, out, max_steps=2, **opts))
+    api.train(tiny_train_config(cache, out, max_steps=2, **opts))
     first = json.loads((out / "trackers.json").read_text())
     assert first["run_name"] == "run" and first["project"] == "pfctl"
 
     # resume from step 2 to step 3: the same tracker run continues
-    report = api.train(config(cache, out, max_steps=3, resume="latest", **opts))
+    report = api.train(tiny_train_config(cache, out, max_steps=3, resume="latest", **opts))
     assert report.resumed_from and report.resumed_from.endswith("step-000002")
     assert json.loads((out / "trackers.json").read_text()) == first
 
