@@ -1,30 +1,85 @@
-"""Block swap: a DiT whose transformer blocks wait on the CPU and visit the device one at a time.
+"""Parts that wait in host memory and visit the device: whole (:class:`Parked`) or a block at a time
+(:class:`BlockSwap`).
 
-:class:`BlockSwap` is put on a built DiT (forward hooks only: the modules, parameters and state-dict keys stay
-as they were). The parts outside the blocks (embedders, output head) move with :meth:`BlockSwap.to`; each
-block is brought to the device just before its forward and dropped right after, so the device holds the
-resident parts, one block computing and (on CUDA) the next block arriving: its copy runs on a side stream
-from pinned memory while the current block computes. On the CPU the hooks change nothing: the same ops run
-on the same tensors.
+:class:`Parked` is the low-memory levels' way to move a part: its tensors are copied to the device from pinned
+host memory, and sent back by pointing them at their host copies again (inference never changes a weight),
+so leaving the device costs no copy.
+
+:class:`BlockSwap` is put on a built model (forward hooks only: the modules, parameters and state-dict keys
+stay as they were). The parts outside the blocks move as a :class:`Parked` part; each block is brought to the
+device just before its forward and dropped right after, so the device holds the resident parts, one block
+computing and (on CUDA) the next block arriving: its copy runs on a side stream from pinned memory while the
+current block computes. On the CPU the hooks change nothing: the same ops run on the same tensors.
+:func:`streamed` applies it to the text encoders: the T5 encoder's layers stream, the rest visits whole.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["BlockSwap"]
+__all__ = ["BlockSwap", "Parked", "Streamed", "streamed", "streamed_blocks", "text_modules"]
+
+
+class Parked:
+    """The tensors of ``module`` (less those of the modules in ``skip``) wait in host memory.
+
+    :meth:`to` a device copies them there (on CUDA from pinned host memory, pinned on the first visit);
+    :meth:`to` the CPU points them back at their host tensors, with no copy. Only for modules whose tensors
+    nothing changes while they are on the device (inference)."""
+
+    def __init__(self, module: nn.Module, skip: Iterable[nn.Module] = ()) -> None:
+        inside = {id(m) for s in skip for m in s.modules()}
+        self.module = module
+        self._owners = [m for m in module.modules() if id(m) not in inside]
+        self._host: dict[tuple[int, str, str], torch.Tensor] = {}
+
+    def _slots(self) -> Iterator[tuple[nn.Module, str, str, torch.Tensor]]:
+        seen = set()
+        for owner in self._owners:
+            for kind, table in (("param", owner._parameters), ("buffer", owner._buffers)):
+                for name, tensor in table.items():
+                    if tensor is not None and id(tensor) not in seen:  # a tied weight moves once
+                        seen.add(id(tensor))
+                        yield owner, kind, name, tensor
+
+    def to(self, device: torch.device | str) -> Parked:
+        device = torch.device(device)
+        for owner, kind, name, tensor in list(self._slots()):
+            key = (id(owner), kind, name)
+            if tensor.device == device or (device.index is None and tensor.device.type == device.type):
+                continue
+            if device.type == "cpu":
+                value = self._host.get(key)
+                if value is None:
+                    value = tensor.detach().cpu()
+            else:
+                host = tensor.detach() if tensor.device.type == "cpu" else self._host.get(key)
+                if host is None:
+                    host = tensor.detach().cpu()
+                if device.type == "cuda" and not host.is_pinned():
+                    host = host.pin_memory()  # the copies below can then run beside the compute
+                self._host[key] = host
+                value = host.to(device, non_blocking=True)
+            if kind == "param":
+                tensor.data = value
+            else:
+                owner._buffers[name] = value
+        return self
 
 
 class BlockSwap:
-    """Streams the blocks of ``dit`` (``dit.blocks_in_order()``) to the device during each forward."""
+    """Streams ``blocks`` of ``model`` (default: ``model.blocks_in_order()``, a DiT's) to the device during
+    each forward; the rest of ``model`` visits the device as a :class:`Parked` part."""
 
-    def __init__(self, dit: nn.Module) -> None:
-        self.dit = dit
-        self.blocks = [block for _, block in dit.blocks_in_order()]
+    def __init__(self, model: nn.Module, blocks: Sequence[nn.Module] | None = None) -> None:
+        self.model = model
+        self.blocks = list(blocks) if blocks is not None else [block for _, block in model.blocks_in_order()]
+        self.resident = Parked(model, skip=self.blocks)
         self.device = torch.device("cpu")
         self._stream: Any = None
         self._ready: dict[int, Any] = {}  # block index -> CUDA event of its copy (or None on the CPU)
@@ -47,14 +102,7 @@ class BlockSwap:
     def to(self, device: torch.device | str) -> BlockSwap:
         """Move the resident parts (everything but the blocks) to ``device``; the blocks stream there."""
         device = torch.device(device)
-        inside = {id(m) for block in self.blocks for m in block.modules()}
-        for module in self.dit.modules():
-            if id(module) in inside:
-                continue
-            for p in module.parameters(recurse=False):
-                p.data = p.data.to(device)
-            for name, buf in module.named_buffers(recurse=False):
-                module._buffers[name] = buf.to(device)
+        self.resident.to(device)
         for i in list(self._ready):
             self._drop(i)
         self.device = device
@@ -107,3 +155,38 @@ class BlockSwap:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def streamed_blocks(module: nn.Module) -> list[nn.Module]:
+    """The layers of every T5 stack in ``module`` (the T5 encoder's 24 layers hold ~97% of its weights)."""
+    from transformers.models.t5.modeling_t5 import T5Stack
+
+    return [block for stack in module.modules() if isinstance(stack, T5Stack) for block in stack.block]
+
+
+class Streamed:
+    """Several modules moved as one part (the text encoders): a module with T5 layers as a
+    :class:`BlockSwap` over them, any other as a :class:`Parked` part."""
+
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        self.parts: list[Parked | BlockSwap] = []
+        for module in modules:
+            blocks = streamed_blocks(module)
+            self.parts.append(BlockSwap(module, blocks) if blocks else Parked(module))
+
+    def to(self, device: torch.device | str) -> Streamed:
+        for part in self.parts:
+            part.to(device)
+        return self
+
+
+def text_modules(text_encoder: Any) -> list[nn.Module]:
+    """The models of the text encoders: pfctl's encoders list them (``modules()``); an ``nn.Module`` is one."""
+    if isinstance(text_encoder, nn.Module):
+        return [text_encoder]
+    return list(getattr(text_encoder, "modules", list)())
+
+
+def streamed(text_encoder: Any) -> Streamed:
+    """The text encoders as a :class:`Streamed` part."""
+    return Streamed(text_modules(text_encoder))

@@ -300,6 +300,10 @@ class _EncoderBase:
             self._null = self._null.to(device=device, dtype=dtype)
         return self
 
+    def modules(self) -> list[torch.nn.Module]:
+        """The encoder models (CLIP(s) and T5), e.g. to move them part by part."""
+        return self._modules()
+
     def parameters(self):
         for m in self._modules():
             yield from m.parameters()

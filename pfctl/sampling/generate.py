@@ -564,7 +564,7 @@ def run_generate(
         ),
     }  # fmt: skip
     gen = m.config.generate
-    parts = Offload(device, level.moves, dit=level.dit_part(m.dit), vae=m.vae.module, text=m.text_encoder)
+    parts = Offload(device, level.moves, **level.parts(m.dit, m.vae.module, m.text_encoder))
     # prompts first: the text encoders visit the device before the DiT arrives
     conditioning = _encode_prompts(jobs, m.text_encoder, gen, parts)
     with parts:

@@ -5,9 +5,13 @@ largest DiT forward and of the decode (measured peaks: benchmarks/RESULTS.md). P
 the device holds in each:
 
 * ``none``: text encoders + DiT + VAE throughout, plus the largest phase's activations;
-* ``offload``: encoding (text encoders), sampling (DiT + its activations), decoding (VAE + a tiled decode);
+* ``offload``: encoding (the text encoders, their T5 layers streamed: two at a time), sampling (DiT + its
+  activations), decoding (VAE + the decode, tiled where the untiled one would not fit in free memory);
 * ``stream``: as ``offload``, but sampling holds the DiT's resident parts and two blocks (one computing, one
   arriving) instead of the whole DiT.
+
+Parts move as :class:`pfctl.models.block_swap.Parked` parts (copied in from pinned host memory, sent back
+with no copy) or stream through :class:`pfctl.models.block_swap.BlockSwap`.
 """
 
 from __future__ import annotations
@@ -23,10 +27,8 @@ from pfctl.flow.pyramid import history_layout
 from pfctl.runtime import logging as pflog
 from pfctl.sampling.decode import UNTILED_DECODE_BYTES_PER_PIXEL
 
-__all__ = ["OFFLOAD_TILE", "MemoryLevel", "MemoryParts", "dit_tokens", "expected_peak_bytes", "measure_parts"]
+__all__ = ["MemoryLevel", "MemoryParts", "dit_tokens", "expected_peak_bytes", "measure_parts"]
 
-OFFLOAD_TILE = 256
-"""The decode tile of levels ``offload`` and ``stream`` when ``decode_tile`` is not a number."""
 DIT_BYTES_PER_TOKEN_WIDTH = 12
 """Live activations of one block forward, in units of (tokens x width x dtype bytes): the residual, its
 norm, q/k/v, the attention output and the 4x MLP hidden, with a margin."""
@@ -43,6 +45,8 @@ class MemoryParts:
     vae: int
     dit_width: int
     dtype_bytes: int
+    text_blocks: int = 0  # the T5 layers, which stream at levels offload and stream
+    text_block: int = 0  # the largest of them
 
 
 def _bytes(part: Any) -> int:
@@ -56,9 +60,14 @@ def _bytes(part: Any) -> int:
 
 def measure_parts(text_encoder: Any, dit: nn.Module, vae: Any, dtype: torch.dtype) -> MemoryParts:
     """The :class:`MemoryParts` of loaded parts: sizes from their tensors, activations at ``dtype``'s width."""
+    from pfctl.models.block_swap import streamed_blocks, text_modules
+
     blocks = [block for _, block in dit.blocks_in_order()]
+    text_layers = [b for m in text_modules(text_encoder) for b in streamed_blocks(m)]
     return MemoryParts(
         text=_bytes(text_encoder),
+        text_blocks=sum(_bytes(b) for b in text_layers),
+        text_block=max((_bytes(b) for b in text_layers), default=0),
         dit=_bytes(dit),
         dit_blocks=sum(_bytes(b) for b in blocks),
         dit_block=max((_bytes(b) for b in blocks), default=0),
@@ -98,8 +107,9 @@ def expected_peak_bytes(
     decode = (fixed + per_frame) * pixels * parts.dtype_bytes // 2
     if level == "none":
         return parts.text + parts.dit + parts.vae + max(act, decode)
+    text = parts.text - parts.text_blocks + 2 * parts.text_block
     dit = parts.dit if level == "offload" else parts.dit - parts.dit_blocks + 2 * parts.dit_block
-    return max(parts.text, dit + act, parts.vae + decode)
+    return max(text, dit + act, parts.vae + decode)
 
 
 @dataclass(frozen=True)
@@ -120,22 +130,27 @@ class MemoryLevel:
         return cls(level, level != "none" and device.type != "cpu")
 
     def adjust(self, gen: GenerateConfig) -> GenerateConfig:
-        """The settings the level implies: a tiled decode (unless ``decode_tile`` is a number) and, for
-        ``stream``, no CUDA graphs or compiled blocks (the blocks' tensors change place at every forward)."""
-        update: dict[str, Any] = {}
-        if self.level != "none" and gen.decode_tile == "auto":
-            update["decode_tile"] = OFFLOAD_TILE
+        """The settings the level implies: for ``stream``, no CUDA graphs or compiled blocks (the blocks'
+        tensors change place at every forward). The decode's tile stays ``decode_tile``'s: ``auto`` tiles
+        only where the untiled decode would not fit in the memory free when it starts (the other parts are
+        off the device then)."""
         if self.level == "stream":
-            update.update(cuda_graphs=False, compile=False)
-        return gen.model_copy(update=update) if update else gen
+            return gen.model_copy(update={"cuda_graphs": False, "compile": False})
+        return gen
 
-    def dit_part(self, dit: nn.Module) -> Any:
-        """What moves as the DiT: the DiT itself, or for ``stream`` its :class:`BlockSwap`."""
-        if self.level != "stream":
-            return dit
-        from pfctl.models.block_swap import BlockSwap
+    def parts(self, dit: nn.Module, vae: nn.Module, text_encoder: Any) -> dict[str, Any]:
+        """The parts as they move (:class:`pfctl.sampling.generate.Offload`'s): where nothing moves, the
+        parts themselves; else the DiT as a parked part (``offload``) or a block swap (``stream``), the VAE
+        parked, the text encoders with their T5 layers streamed."""
+        if not self.moves:
+            return {"dit": dit, "vae": vae, "text": text_encoder}
+        from pfctl.models.block_swap import BlockSwap, Parked, streamed
 
-        return BlockSwap(dit)
+        return {
+            "dit": BlockSwap(dit) if self.level == "stream" else Parked(dit),
+            "vae": Parked(vae),
+            "text": streamed(text_encoder),
+        }
 
     def record(self, parts: MemoryParts, gen: GenerateConfig, temps: list[int], width: int, height: int,
                spatial: int) -> dict[str, Any]:  # fmt: skip

@@ -96,16 +96,69 @@ def test_block_swap_on_the_cpu_runs_the_same_ops():
         assert torch.equal(model(x), expected)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="moves parts to a CUDA device")
+def test_parked_parts_go_back_to_their_host_tensors_without_a_copy():
+    from pfctl.models.block_swap import Parked
+
+    model = _Blocks()
+    model.out.weight = model.embed.weight  # a tied weight moves once and stays tied
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        expected = model(x)
+    parked = Parked(model).to("cuda")
+    assert all(t.is_cuda for t in [*model.parameters(), *model.buffers()])
+    assert model.out.weight is model.embed.weight
+    with torch.no_grad():
+        got = model(x.cuda()).cpu()
+    torch.testing.assert_close(got, expected)  # a GPU's matmul: fp32 rounding, not bits
+    parked.to("cpu")
+    tensors = [*model.parameters(), *model.buffers()]
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in tensors)
+    host = [t.data_ptr() for t in tensors]
+    parked.to("cuda")
+    parked.to("cpu")  # back to the same pinned host tensors: the only copy is the upload
+    assert [t.data_ptr() for t in [*model.parameters(), *model.buffers()]] == host
+
+
+def test_the_text_encoders_stream_their_t5_layers_and_encode_the_same(text_folder):
+    from pfctl.models.block_swap import BlockSwap, streamed, streamed_blocks
+    from pfctl.models.text_encoder import load_text_encoder
+    from pfctl.sampling.memory import measure_parts
+
+    encoder = load_text_encoder(text_folder, model_name="pyramid_flux", dtype=torch.float32, device="cpu")
+    expected = encoder.encode(["a red circle moving right"])
+    layers = [b for m in encoder.modules() for b in streamed_blocks(m)]
+    assert layers and all(type(b).__name__ == "T5Block" for b in layers)
+    part = streamed(encoder).to("cpu")
+    (swap,) = [p for p in part.parts if isinstance(p, BlockSwap)]
+    seen: list[list[int]] = []
+    for layer in layers:
+        layer.register_forward_pre_hook(lambda *_: seen.append(swap.on_device))
+    got = encoder.encode(["a red circle moving right"])
+    assert seen == [[i, i + 1] for i in range(len(layers) - 1)] + [[len(layers) - 1]]
+    assert torch.equal(got.prompt_embeds, expected.prompt_embeds)
+    assert torch.equal(got.pooled_prompt_embeds, expected.pooled_prompt_embeds)
+    dit = _Blocks()
+    dit.inner_dim = 4
+    parts = measure_parts(encoder, dit, nn.Conv2d(1, 1, 1), torch.float32)
+    layer_bytes = [sum(t.numel() * 4 for t in b.parameters()) for b in layers]
+    assert (parts.text_blocks, parts.text_block) == (sum(layer_bytes), max(layer_bytes))
+
+
 def test_expected_peak_adds_what_each_phase_holds():
-    parts = MemoryParts(text=1000, dit=500, dit_blocks=400, dit_block=100, vae=50, dit_width=8, dtype_bytes=2)
+    parts = MemoryParts(
+        text=1000, dit=500, dit_blocks=400, dit_block=100, vae=50, dit_width=8, dtype_bytes=2, text_blocks=900,
+        text_block=300,
+    )  # fmt: skip
     tokens, rows = 16, 2
     act = rows * tokens * 8 * 2 * 12 + rows * tokens * tokens * 2
     untiled = (19_000 + 12_500) * 64 * 64 * 2 // 2
     tiled = (19_000 + 12_500) * 32 * 32 * 2 // 2
     common = {"tokens": tokens, "rows": rows, "height": 64, "width": 64}
     assert expected_peak_bytes("none", parts, tile=None, **common) == 1000 + 500 + 50 + max(act, untiled)
-    assert expected_peak_bytes("offload", parts, tile=32, **common) == max(1000, 500 + act, 50 + tiled)
-    stream = max(1000, 500 - 400 + 2 * 100 + act, 50 + tiled)
+    text = 1000 - 900 + 2 * 300  # the T5 layers stream: two on the device at a time
+    assert expected_peak_bytes("offload", parts, tile=32, **common) == max(text, 500 + act, 50 + tiled)
+    stream = max(text, 500 - 400 + 2 * 100 + act, 50 + tiled)
     assert expected_peak_bytes("stream", parts, tile=32, **common) == stream
 
 
