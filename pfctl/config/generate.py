@@ -180,9 +180,11 @@ class GenerateConfig(Section):
     videos in a run the graphs are kept (one shared memory pool), and a later video of the same size replays
     every stage from its first step (no warm-up, no capture)."""
     attention: Literal["auto", "efficient", "cudnn"] = "auto"
-    """The kernel of the DiT's masked attention (SDPA with an additive mask in every case): ``auto``
-    leaves it to PyTorch, which on recent GPUs picks cuDNN's; ``efficient`` the memory-efficient kernel;
-    ``cudnn`` cuDNN's first.
+    """The kernel of the DiT's masked attention (SDPA with an additive mask in every case): ``auto`` settles
+    per run on CUDA: cuDNN's kernel for runs of many videos of one size (it plans every new shape on first
+    use, then runs faster), the memory-efficient kernel otherwise (a fast first video;
+    ``pfctl.sampling.generate.attention_kernel``); ``efficient`` the memory-efficient kernel; ``cudnn``
+    cuDNN's first.
     Same results within bf16 rounding; no effect on the CPU."""
     skip_future_keys: bool = True
     """Cut the text padding and attend the query rows of each column in groups of whole frames (closing at

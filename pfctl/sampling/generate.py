@@ -360,6 +360,23 @@ def _model_record(config: Any, info: dict[str, Any], dit: Any, adapters: list[An
     }  # fmt: skip
 
 
+CUDNN_MIN_VIDEOS = 6
+"""``generate.attention: auto`` takes cuDNN's attention kernel in runs of this many videos or more (one size,
+graphs kept); fewer take the memory-efficient kernel."""
+
+
+def attention_kernel(setting: str, device: torch.device, *, videos: int, keep_graphs: bool) -> str:
+    """The attention kernel a run uses (``generate.attention``): ``auto`` settles on CUDA by the run's length.
+    cuDNN's kernel is the faster one once warm, but it builds a plan for every new attention shape on first
+    use, and a video's row groups have many: that costs the first video more than cuDNN saves
+    on each later one (break-even after several videos; benchmarks/RESULTS.md, session 16). So ``auto`` is
+    cuDNN's kernel only where :data:`CUDNN_MIN_VIDEOS` or more videos replay kept graphs, else the
+    memory-efficient one. Elsewhere (the CPU, an explicit setting) the setting stays as it is."""
+    if setting != "auto" or device.type != "cuda":
+        return setting
+    return "cudnn" if keep_graphs and videos >= CUDNN_MIN_VIDEOS else "efficient"
+
+
 def _fast_paths(m: _Model, device: torch.device, *, keep_graphs: bool) -> Any:
     """Step 2b, the speed layer on the loaded DiT and VAE (the ``fast:`` section and ``generate.compile``,
     through :func:`pfctl.models.fast.apply_fast_paths`), and (``keep_graphs``: several videos on one
@@ -568,8 +585,11 @@ def run_generate(
     # prompts first: the text encoders visit the device before the DiT arrives
     conditioning = _encode_prompts(jobs, m.text_encoder, gen, parts)
     with parts:
-        m.dit.set_attention_backend(gen.attention, gen.skip_future_keys, gen.row_group_min_tokens)
-        graphs = _fast_paths(m, device, keep_graphs=not level.moves and len(jobs) > 1)
+        keep_graphs = not level.moves and len(jobs) > 1
+        attention = attention_kernel(gen.attention, device, videos=len(jobs), keep_graphs=keep_graphs)
+        m.dit.set_attention_backend(attention, gen.skip_future_keys, gen.row_group_min_tokens)
+        runtime_info["attention"] = attention
+        graphs = _fast_paths(m, device, keep_graphs=keep_graphs)
         run = _Run(m, gen, device, parts, graphs, output_dir, runtime_info, keep_latents, parallel)
         with pflog.progress("generate", total=sum(_dit_calls(j, gen) for j in jobs)) as bar:
             results = [

@@ -664,3 +664,18 @@ def test_print_config_shows_the_fast_paths() -> None:
 
     shown = dump_config(load_config(None, ["fast.fused_qk_rope=false"]))
     assert "fast:" in shown and "fused_qk_rope: false" in shown and "lean_autograd: true" in shown
+
+
+def test_generate_auto_attention_settles_by_the_length_of_the_run():
+    from pfctl.sampling.generate import CUDNN_MIN_VIDEOS, attention_kernel
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    # a short run: the kernel that plans nothing, so the first video pays no plan per attention shape
+    assert attention_kernel("auto", cuda, videos=1, keep_graphs=False) == "efficient"
+    assert attention_kernel("auto", cuda, videos=CUDNN_MIN_VIDEOS - 1, keep_graphs=True) == "efficient"
+    # many videos replaying kept graphs: cuDNN's plans are paid once, its faster kernel every later video
+    assert attention_kernel("auto", cuda, videos=CUDNN_MIN_VIDEOS, keep_graphs=True) == "cudnn"
+    assert attention_kernel("auto", cuda, videos=CUDNN_MIN_VIDEOS, keep_graphs=False) == "efficient"
+    assert attention_kernel("auto", cpu, videos=CUDNN_MIN_VIDEOS, keep_graphs=True) == "auto"
+    assert attention_kernel("cudnn", cuda, videos=1, keep_graphs=False) == "cudnn"
+    assert attention_kernel("efficient", cuda, videos=99, keep_graphs=True) == "efficient"
