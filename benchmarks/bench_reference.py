@@ -264,6 +264,7 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
     from pfctl.models.fast import FastPaths, apply_fast_paths
     from pfctl.models.vae import TINY_CAUSAL_VAE_CONFIG, load_vae, with_fast_paths
     from pfctl.sampling.decode import decode_latents, free_memory, resolve_decode_tile
+    from pfctl.sampling.generate import attention_kernel
     from pfctl.sampling.sampler import SamplingSettings, TextConditioning, generate_latents
 
     cuda = device.type == "cuda"
@@ -280,7 +281,8 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
         e = negative if prompt == "" else positive
         return e.prompt_embeds, e.prompt_attention_mask, e.pooled_prompt_embeds
 
-    # --- the reference
+    # --- the reference (loading timed as its demo loads: the folder, then the DiT and VAE to the device)
+    start = time.perf_counter()
     ref = open_reference(
         Reference,
         folder,
@@ -289,6 +291,8 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
     )
     ref.dit.to(device).eval()
     ref.vae.to(device).eval()
+    _sync(device)
+    ref_load_s = time.perf_counter() - start
     ref.text_encoder = reference_text
 
     def run_reference():
@@ -312,7 +316,7 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
         with torch.no_grad(), autocast(device):
             return ref.decode_latent(latents.clone(), save_memory=True)
 
-    ref_runs = [_timed(run_reference, device) for _ in range(args.repeats)]
+    ref_runs = [_timed(run_reference, device) for _ in range(args.reference_repeats or args.repeats)]
     (ref_latents, record), ref_sample_s, ref_sample_peak = ref_runs[-1]
     ref_frames, ref_decode_s, ref_decode_peak = [
         _timed(lambda: decode_reference(ref_latents), device) for _ in range(args.repeats)
@@ -323,16 +327,23 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
         torch.cuda.empty_cache()
 
     # --- pfctl, loading the same folder with its own code
+    start = time.perf_counter()
     dit = load_dit_folder(folder / VARIANT, dtype=dtype, device=device).eval()
     defaults = GenerateConfig()  # attention as pfctl generate sets it unless told otherwise
     skip = defaults.skip_future_keys if args.skip_future_keys is None else args.skip_future_keys
-    dit.set_attention_backend(args.attention or defaults.attention, skip, defaults.row_group_min_tokens)
+    # settled as pfctl generate settles it for a run of this many videos
+    attention = attention_kernel(
+        args.attention or defaults.attention, device, videos=args.repeats, keep_graphs=not args.no_cuda_graphs
+    )
+    dit.set_attention_backend(attention, skip, defaults.row_group_min_tokens)
     # as pfctl generate applies its fast paths and compiles (automatic dynamic shapes); the first timed run
     # pays the compilation
     apply_fast_paths(dit, FastPaths(compile=args.compile and cuda, dynamic=None))
     vae = with_fast_paths(
         load_vae(str(folder / "causal_video_vae"), dtype=dtype, device=device), FastPathsConfig()
     )
+    _sync(device)
+    pf_load_s = time.perf_counter() - start
     conditioning = TextConditioning.from_pair(positive, negative)
     settings = SamplingSettings(
         num_inference_steps=tuple(steps[0]),
@@ -393,10 +404,11 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
         "pfctl_options": {
             "cuda_graphs": cuda and not args.no_cuda_graphs,
             "compile": cuda and args.compile,
-            "attention": args.attention or "auto",
+            "attention": attention,
             "skip_future_keys": skip,
         },
         "reference": {
+            "load_s": ref_load_s,
             "sample_s": ref_sample_s,
             "decode_s": ref_decode_s,
             "sample_peak_gib": ref_sample_peak,
@@ -404,6 +416,7 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
             "all_sample_s": [r[1] for r in ref_runs],
         },
         "pfctl": {
+            "load_s": pf_load_s,
             "sample_s": pf_sample_s,
             "decode_s": pf_decode_s,
             "sample_peak_gib": pf_sample_peak,
@@ -439,6 +452,9 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
           f"mean {result['frames_mean_abs_diff']:.3f}")  # fmt: skip
     print(f"decode: reference window 1, 256-px tiles (its save_memory); pfctl window 1, tile {pf_tile} "
           f"(decode_tile={args.decode_tile})")  # fmt: skip
+    for name, r in (("reference", result["reference"]), ("pfctl", result["pfctl"])):
+        runs = ", ".join(f"{t:.2f}" for t in r["all_sample_s"])
+        print(f"{name}: load (DiT + VAE from the folder to the device) {r['load_s']:.2f} s; sampling, run by run: {runs} s")
     return result
 
 
@@ -713,6 +729,9 @@ def main() -> None:
         "--resolution", default=None, help="generate: 384p / 768p / WxH (default 384p on CUDA, 64x64 on CPU)"
     )
     parser.add_argument("--repeats", type=int, default=2, help="generate: runs per side, the last one timed")
+    parser.add_argument(
+        "--reference-repeats", type=int, default=None, help="generate: the reference's runs (default: --repeats)"
+    )
     parser.add_argument("--no-cuda-graphs", action="store_true", help="generate: pfctl without CUDA graphs")
     parser.add_argument("--compile", action="store_true", help="pfctl with compiled DiT blocks")
     parser.add_argument(
