@@ -52,14 +52,21 @@ def _peak_rss_mib() -> float:
 
 
 def _make_sources(folder: Path, clips: int, frames: int, width: int, height: int, captions: int) -> Path:
+    """Write the clips and their annotation file into ``folder``; a folder written before with the same
+    settings is reused as it is (``--sources``: clips made on a machine with PyAV, encoded on one without)."""
+    ann = folder / "train.jsonl"
+    stamp = folder / "settings.json"
+    settings = json.dumps({"clips": clips, "frames": frames, "size": [width, height], "captions": captions})
+    if ann.is_file() and stamp.is_file() and stamp.read_text() == settings:
+        return ann
     from pfctl.data.synthetic import moving_frames, write_video
 
     rows = []
     for k in range(clips):
         path = write_video(folder / f"v{k}.mp4", moving_frames(frames, height, width, seed=k), fps=24)
         rows.append({"video": path.name, "text": f"a synthetic clip, caption {k % captions}"})
-    ann = folder / "train.jsonl"
     ann.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    stamp.write_text(settings)
     return ann
 
 
@@ -231,6 +238,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--captions", type=int, default=None, help="distinct captions (default: one per clip)"
     )
     parser.add_argument("--no-text", action="store_true", help="latents only (encode.text=false)")
+    parser.add_argument("--json", default=None, help="also write the table's rows here")
+    parser.add_argument(
+        "--sources",
+        type=Path,
+        default=None,
+        help="keep the source clips in this folder (reused by a later run with the same settings)",
+    )
     parser.add_argument(
         "--text-encoder", type=Path, default=None, help="a text-encoder folder (default: tiny, built here)"
     )
@@ -367,7 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pfctl-bench-") as tmp:
         tmp = Path(tmp)
         t0 = time.monotonic()
-        ann = _make_sources(tmp / "src", args.clips, frames, width, height, args.captions or args.clips)
+        ann = _make_sources(
+            args.sources or tmp / "src", args.clips, frames, width, height, args.captions or args.clips
+        )
         print(
             f"wrote {args.clips} source videos ({frames} frames, {width}x{height}) in {time.monotonic() - t0:.1f} s"
         )
@@ -401,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
         "(device time on CUDA), VAE-alone rows: one call",
         cuda,
     )
+    if args.json:
+        keys = ("stage", "clips_per_s", "total_s", "peak_gib", "stage_s")
+        Path(args.json).write_text(json.dumps([dict(zip(keys, row, strict=True)) for row in rows], indent=2))
     return 0
 
 
