@@ -25,7 +25,7 @@ NOTE = (
     "rest splitting the sequence. The first rank of each video's group writes the mp4 and its sidecar "
     "(which records the layout).\n\n"
     "Low memory (--low-memory / generate.low_memory): none = everything on the GPU; offload = text encoders "
-    "on the GPU only while encoding, the VAE only while decoding, 256-px decode tiles; stream = offload plus "
+    "on the GPU only while encoding (T5 layers streamed), the VAE only while decoding; stream = offload plus "
     "the DiT's blocks streamed to the GPU one at a time (block swap). The sidecar records the level's "
     "expected peak; generate.offload=true is level offload."
 )

@@ -164,10 +164,12 @@ class GenerateConfig(Section):
     (kept for existing recipes)."""
     low_memory: Literal["none", "offload", "stream"] = "none"
     """GPU memory level. ``none``: every part on the device throughout. ``offload``: text encoders on the
-    device only while encoding, the VAE only while decoding (the DiT leaves meanwhile), decode tiled (256 px
-    unless ``decode_tile`` is a number). ``stream``: as ``offload``, and the DiT's blocks wait on the CPU and
-    visit the device one at a time during each forward (block swap; the next block is copied on a side CUDA
-    stream while one computes). Same video at every level; the sidecar records the level and its expected peak."""
+    device only while encoding (their T5 layers two at a time), the VAE only while decoding (the DiT leaves
+    meanwhile); parts wait in pinned host memory. ``stream``: as ``offload``, and the DiT's blocks wait on the
+    CPU and visit the device one at a time during each forward (block swap; the next block is copied on a
+    side CUDA stream while one computes). The decode tiles as ``decode_tile`` says (``auto``: where the
+    untiled decode would not fit in the free memory). Same video at every level; the sidecar records the
+    level and its expected peak."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     """Several processes on one run (:class:`ParallelConfig`)."""
     compile: bool = False
