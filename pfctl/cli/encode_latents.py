@@ -56,7 +56,7 @@ BatchSizeOpt = Annotated[
     int | None,
     typer.Option(
         "--batch-size",
-        help="Clips of one shape per VAE call (encode.batch_size, default 4; halved on out-of-memory).",
+        help="Clips of one shape per VAE call (encode.batch_size, default 1; halved on out-of-memory).",
         show_default=False,
     ),
 ]

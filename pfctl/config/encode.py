@@ -102,11 +102,13 @@ class EncodeConfig(Section):
     thread); ``auto``: min(8, CPU cores / processes on this host), at least 1."""
     prefetch: int = Field(default=2, ge=1)
     """Decoded videos queued ahead of the encoder (per worker)."""
-    batch_size: int = Field(default=4, ge=1, le=MAX_BATCH)
+    batch_size: int = Field(default=1, ge=1, le=MAX_BATCH)
     """Clips of one shape (frames x height x width) per VAE call; clips of other shapes wait for their
     own batch, the last batch of each shape may be smaller. Same latents as one clip per call (to float
     rounding). On a device that runs out of memory the batch is split in halves (and the smaller size
-    kept for the rest of the run)."""
+    kept for the rest of the run). Default 1: a 121-frame 384p clip already fills a large GPU, so larger
+    batches ran no faster there and took their multiple of the memory (benchmarks/RESULTS.md, session
+    16); they help clips too short or small to fill the device."""
 
     @field_validator("buckets")
     @classmethod

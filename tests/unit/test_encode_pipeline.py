@@ -129,7 +129,7 @@ def test_bad_pipeline_settings_name_the_key(key: str, value: object, message: st
 
 def test_pipeline_defaults() -> None:
     encode = load_config(None, [], {}).encode
-    assert encode.num_workers == "auto" and encode.batch_size == 4
+    assert encode.num_workers == "auto" and encode.batch_size == 1
     assert load_config(None, ["encode.num_workers=3", "encode.batch_size=2"], {}).encode.num_workers == 3
 
 
