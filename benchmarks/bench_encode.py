@@ -143,12 +143,27 @@ def _vae_alone(args, vae_spec: str, shape: tuple[int, int, int], device, dtype_n
                 lambda v=video, c=chunking, w=window, m=vae: m.encode(v, chunking=c, chunk_frames=w), device
             )
             rows.append((f"VAE alone, pfctl ({label}, batch {batch})", batch / seconds, seconds, peak, {}))
+        first = rows[-len(_batch_sizes(args))]
+        _print_work(vae, clip, chunking, window, first[1], _batch_sizes(args)[0])
     vae.module.to("cpu")  # the reference's peak memory counts its own weights only
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if args.reference is not None:
         rows.extend(_reference_rows(args, vae, clip, device))
     return rows
+
+
+def _print_work(vae, clip, chunking: str, window: int | None, clips_per_s: float, batch: int) -> None:
+    """The encoder's arithmetic per clip (convolutions and products, counted by ``FlopCounterMode`` on one
+    call) and the rate a VAE-alone row achieved: how far the VAE is from the device's peak."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        vae.encode(clip, chunking=chunking, chunk_frames=window)
+    tflop = counter.get_total_flops() / 1e12
+    print(f"VAE encode ({chunking}{'' if window is None else f' {window}'}): {tflop:.3g} TFLOP per clip; "
+          f"at {clips_per_s:.2f} clips/s (batch {batch}) that is {tflop * clips_per_s:.3g} TFLOP/s")  # fmt: skip
 
 
 def _reference_rows(args, vae, clip, device) -> list[tuple]:
