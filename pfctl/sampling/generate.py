@@ -568,6 +568,7 @@ def run_generate(
         torch.cuda.reset_peak_memory_stats(device)
     level = MemoryLevel.of(config.generate, device)
     m = _load_model(config, components, device, level.moves)
+    loaded = _finished(device)
     m, jobs, parallel = _layout(m, runtime, level, specs, image)
     runtime_info = {
         "device": str(device),
@@ -583,7 +584,9 @@ def run_generate(
     gen = m.config.generate
     parts = Offload(device, level.moves, **level.parts(m.dit, m.vae.module, m.text_encoder))
     # prompts first: the text encoders visit the device before the DiT arrives
+    encoding = time.perf_counter()
     conditioning = _encode_prompts(jobs, m.text_encoder, gen, parts)
+    runtime_info["timing_s"] = _run_timing(start, loaded, encoding, _finished(device))
     with parts:
         keep_graphs = not level.moves and len(jobs) > 1
         attention = attention_kernel(gen.attention, device, videos=len(jobs), keep_graphs=keep_graphs)
@@ -603,6 +606,14 @@ def run_generate(
         videos=[r for r in results if r is not None], output_dir=output_dir, model=m.record, width=m.width,
         height=m.height, seconds=time.perf_counter() - start, peak_memory_bytes=peak,
     )  # fmt: skip
+
+
+def _run_timing(start: float, loaded: float, encoding: float, encoded: float) -> dict[str, float]:
+    """The run's one-off seconds (the sidecar's ``runtime.timing_s``, also logged): checking the inputs and
+    loading the model (``load``: nothing to load when the parts are given), encoding the prompts."""
+    timing = {"load": round(loaded - start, 3), "prompts": round(encoded - encoding, 3)}
+    pflog.log(f"model loaded in {timing['load']:.1f} s, prompts encoded in {timing['prompts']:.1f} s")
+    return timing
 
 
 def _layout(

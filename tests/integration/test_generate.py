@@ -71,6 +71,9 @@ def test_t2v_writes_mp4_and_sidecar_and_reproduces_from_it(model_dir, components
     assert sidecar["model"]["layout"] == "official" and sidecar["model"]["fingerprints"]["dit"]
     assert sidecar["model"]["variant"] == "diffusion_transformer_384p"  # make_official_folder's folder
     assert sidecar["pfctl_version"] and sidecar["mode"] == "t2v"
+    # the run's one-off costs beside the video's own: loading (from model.path here) and the prompts
+    assert set(sidecar["runtime"]["timing_s"]) == {"load", "prompts"}
+    assert 0 < sidecar["runtime"]["timing_s"]["load"] <= report.seconds
 
     # The sidecar round-trips: it regenerates the same video, under a new name (never overwritten).
     again_config, spec = sidecar_to_run(sidecar)
