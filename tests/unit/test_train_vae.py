@@ -100,3 +100,30 @@ def test_decoder_phase_refuses_no_steps(tmp_path: Path) -> None:
         train_vae_decoder(tmp_path, tiny_cfg(decoder_steps=0))
     with pytest.raises(ConfigError, match="decoder_steps"):
         train_vae(tmp_path, tiny_cfg(decoder_steps=-1))
+
+
+@pytest.mark.slow
+def test_build_runs_the_decoder_phase_only_on_a_vae_without_it(tmp_path: Path, monkeypatch) -> None:
+    from pfctl.demo import build_default
+    from pfctl.demo import train_vae as module
+
+    stage = tmp_path / "stage"
+    train_vae(stage, tiny_cfg(decoder_steps=0), log_every=1)
+    record = stage / "vae_train_config.json"
+    old = json.loads(record.read_text())
+    del old["decoder_steps_done"]  # a VAE trained before the phase existed
+    record.write_text(json.dumps(old))
+    calls = []
+
+    def fake_phase(out_dir, cfg, **kwargs):
+        calls.append(cfg.decoder_steps)
+        path = Path(out_dir) / "vae_train_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "decoder_steps_done": cfg.decoder_steps}))
+
+    monkeypatch.setattr(module, "train_vae_decoder", fake_phase)
+    done = build_default._vae_stage(stage, None, None, "cpu")
+    assert calls == [VAETrainConfig().decoder_steps]
+    assert done["decoder_steps_done"] == VAETrainConfig().decoder_steps and done["steps_done"] == 2
+    assert set(done["roundtrip"]) >= {"psnr", "color_accuracy", "direction_accuracy", "shape_accuracy"}
+    build_default._vae_stage(stage, None, None, "cpu")  # the phase is recorded: not run again
+    assert len(calls) == 1
