@@ -4,7 +4,8 @@
 
 1. ``make_shapes`` — the training clips (576 clips, 64x64, 17 frames at 24 fps, seed 0;
    4 colours x 3 shapes x 4 directions, 12 clips per class);
-2. ``train_vae`` — the tiny causal VAE (:mod:`pfctl.demo.train_vae`, fixed seed);
+2. ``train_vae`` — the tiny causal VAE (:mod:`pfctl.demo.train_vae`, fixed seed), then its
+   decoder phase (encoder frozen, shape edges weighted), and its round trip scored;
 3. ``build_tiny_text_encoder_folder`` — tiny CLIP + T5 with tokenizers built offline whose
    vocabulary holds every caption word as one token (random frozen weights: the DiT learns to
    read them);
@@ -142,20 +143,37 @@ def _vae_stage(
     stage: Path, vae_from: str | os.PathLike[str] | None, vae_steps: int | None, vae_device: str
 ) -> dict[str, Any]:
     """Stage 2: ``stage/causal_video_vae`` copied from ``vae_from``, kept from an earlier run or
-    trained; returns how it was trained (its ``vae_train_config.json``)."""
-    from pfctl.demo.train_vae import VAETrainConfig, train_vae
+    trained; a VAE from before the decoder phase gets that phase (its latents stay the same).
+    Returns how it was trained (its ``vae_train_config.json``) and its round-trip scores."""
+    from pfctl.demo.train_vae import VAETrainConfig, evaluate_vae, train_vae, train_vae_decoder
+    from pfctl.models.vae import load_vae
 
     vae_cfg = VAETrainConfig(device=vae_device, **({"steps": vae_steps} if vae_steps else {}))
+    record = stage / "vae_train_config.json"
+
+    def show(r: dict[str, Any]) -> None:
+        _log(f"      vae {r.get('phase', 'step')} {r['step']}: {r['psnr']:.1f} dB")
+
     if vae_from is not None:
         _log(f"[2/6] using the VAE trained in {vae_from}")
         shutil.rmtree(stage / "causal_video_vae", ignore_errors=True)
         shutil.copytree(Path(vae_from) / "causal_video_vae", stage / "causal_video_vae")
-        record = Path(vae_from) / "vae_train_config.json"
-        return json.loads(record.read_text()) if record.is_file() else {"source": str(vae_from)}
+        record.unlink(missing_ok=True)
+        if (Path(vae_from) / record.name).is_file():
+            shutil.copy2(Path(vae_from) / record.name, record)
     if not (stage / "causal_video_vae" / "config.json").is_file():
-        _log(f"[2/6] training the VAE ({vae_cfg.steps} steps on {vae_device})")
-        train_vae(stage, vae_cfg, on_log=lambda r: _log(f"      vae step {r['step']}: {r['psnr']:.1f} dB"))
-    return json.loads((stage / "vae_train_config.json").read_text())
+        _log(
+            f"[2/6] training the VAE ({vae_cfg.steps} + {vae_cfg.decoder_steps} decoder steps on {vae_device})"
+        )
+        train_vae(stage, vae_cfg, on_log=show)
+    done = json.loads(record.read_text()) if record.is_file() else {"source": str(vae_from)}
+    if "decoder_steps_done" not in done and vae_cfg.decoder_steps:
+        _log(f"[2/6] the VAE's decoder phase ({vae_cfg.decoder_steps} steps on {vae_device})")
+        train_vae_decoder(stage, vae_cfg, on_log=show)
+        done = json.loads(record.read_text())
+    roundtrip = evaluate_vae(load_vae(stage / "causal_video_vae"))
+    _log("      VAE round trip: " + "  ".join(f"{k} {v:.3f}" for k, v in roundtrip.items()))
+    return {**done, "roundtrip": {k: round(v, 4) for k, v in roundtrip.items()}}
 
 
 def _encode_stage(recipe_path: Path, stage: Path, annotations: Path, cache: Path) -> None:
@@ -224,6 +242,7 @@ def _training_record(
         "text_encoder": {"builder": "build_tiny_text_encoder_folder", "seed": TEXT_SEED},
         "dit": {
             "preset": (recipe.get("model") or {}).get("dit_preset"),
+            "config": dict((recipe.get("model") or {}).get("dit_config") or {}),
             "train": train_section,
             "nproc": nproc,
         },

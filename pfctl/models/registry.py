@@ -6,7 +6,8 @@ widths from :mod:`pfctl.models.text_encoder` so the two can never drift apart.
 
 * ``miniflux``    — the published miniFLUX (about 2B parameters; 24 blocks, 30 heads x 64).
 * ``tiny``        — 1 double + 1 single block, 2 heads x 16: fast CPU unit tests.
-* ``shapes-tiny`` — 2 double + 2 single blocks, 4 heads x 16: the embedded shapes demo.
+* ``shapes-tiny`` — 2 double + 2 single blocks, 4 heads x 16: the embedded shapes demo (its
+  recipe, ``recipes/shapes-tiny.yaml``, widens it to 8 heads).
 * ``sd3-mmdit``   — the published SD3-style MMDiT (24 layers, 24 heads x 64).
 * ``mmdit-tiny``  — a small SD3-style MMDiT; pairs with the tiny SD3 text encoder.
 """
