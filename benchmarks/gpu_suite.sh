@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite in one call (2x H200: single-GPU benchmarks on GPU 0, then the
 # 2-process sync-group run and the FSDP tests on both). Results: $OUT (or ./bench-out).
-# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,refgen768,gen768,gen768skip,gen768prof,attention,traingraphs,rowgroups]
+# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,refgen768,gen768,gen768skip,gen768prof,attention,traingraphs,rowgroups,lowmem,fp8,refgen1,recipe384]
 # (LAYOUTS=channels_last_unfused,channels_last picks the VAE layouts the vae steps time)
 # (TRAIN_VARIANTS=efficient,efficient+compile+skip picks the pfctl variants the trainvariants step times)
 # (reference: needs a Pyramid-Flow checkout in third_party/Pyramid-Flow and einops; not in the default list)
@@ -98,4 +98,20 @@ case ",$STEPS," in *,vae,*|*,vae768,*)
 esac
 case ",$STEPS," in *,encode,*)
   echo "=== encode-latents end to end (121-frame 640x384 mp4)"; CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_encode.py --device cuda --chunking framewise --num-workers 4 2>&1 | tee "$OUT/encode.txt" | tail -6;;
+esac
+case ",$STEPS," in *,lowmem,*)
+  echo "=== generate --low-memory levels at 384p, real-size text encoders included (GPU $GPU; ~4 min)"
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_generate_parallel.py --levels none,offload,stream --resolution 384p --json "$OUT/lowmem.json" 2>&1 | tee -a "$OUT/suite.log" | tail -6;;
+esac
+case ",$STEPS," in *,fp8,*)
+  echo "=== FP8 linear layers in generate, 384p (GPU $GPU; ~3 min)"
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_fp8.py --variants bf16,tensor,row --json "$OUT/fp8.json" 2>&1 | tee -a "$OUT/suite.log" | tail -6;;
+esac
+case ",$STEPS," in *,refgen1,*)
+  echo "=== one video as a CLI run makes it: the reference's first video, pfctl's load, first and later video (GPU $GPU; ~3 min)"
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py generate --device cuda --repeats 2 --reference-repeats 1 --reference third_party/Pyramid-Flow --json "$OUT/refgen1.json" 2>&1 | tee -a "$OUT/suite.log" | tail -10;;
+esac
+case ",$STEPS," in *,recipe384,*)
+  echo "=== pfctl train, the 384p recipe as shipped, beside the reference's step (GPU $GPU; ~6 min)"
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --reference third_party/Pyramid-Flow --warmup 40 --steps 15 --json "$OUT/recipe384.json" 2>&1 | tee -a "$OUT/suite.log" | tail -32;;
 esac
