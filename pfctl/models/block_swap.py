@@ -10,7 +10,7 @@ stay as they were). The parts outside the blocks move as a :class:`Parked` part;
 device just before its forward and dropped right after, so the device holds the resident parts, one block
 computing and (on CUDA) the next block arriving: its copy runs on a side stream from pinned memory while the
 current block computes. On the CPU the hooks change nothing: the same ops run on the same tensors.
-:func:`streamed` applies it to the text encoders: the T5 encoder's layers stream, the rest visits whole.
+:class:`Streamed` applies it to the text encoders: the T5 encoder's layers stream, the rest visits whole.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["BlockSwap", "Parked", "Streamed", "streamed", "streamed_blocks", "text_modules"]
+__all__ = ["BlockSwap", "Parked", "Streamed", "streamed_blocks", "text_modules"]
 
 
 class Parked:
@@ -34,7 +34,6 @@ class Parked:
 
     def __init__(self, module: nn.Module, skip: Iterable[nn.Module] = ()) -> None:
         inside = {id(m) for s in skip for m in s.modules()}
-        self.module = module
         self._owners = [m for m in module.modules() if id(m) not in inside]
         self._host: dict[tuple[int, str, str], torch.Tensor] = {}
 
@@ -77,7 +76,6 @@ class BlockSwap:
     each forward; the rest of ``model`` visits the device as a :class:`Parked` part."""
 
     def __init__(self, model: nn.Module, blocks: Sequence[nn.Module] | None = None) -> None:
-        self.model = model
         self.blocks = list(blocks) if blocks is not None else [block for _, block in model.blocks_in_order()]
         self.resident = Parked(model, skip=self.blocks)
         self.device = torch.device("cpu")
@@ -165,12 +163,12 @@ def streamed_blocks(module: nn.Module) -> list[nn.Module]:
 
 
 class Streamed:
-    """Several modules moved as one part (the text encoders): a module with T5 layers as a
+    """The text encoders' models (:func:`text_modules`) moved as one part: a model with T5 layers as a
     :class:`BlockSwap` over them, any other as a :class:`Parked` part."""
 
-    def __init__(self, modules: Iterable[nn.Module]) -> None:
+    def __init__(self, text_encoder: Any) -> None:
         self.parts: list[Parked | BlockSwap] = []
-        for module in modules:
+        for module in text_modules(text_encoder):
             blocks = streamed_blocks(module)
             self.parts.append(BlockSwap(module, blocks) if blocks else Parked(module))
 
@@ -185,8 +183,3 @@ def text_modules(text_encoder: Any) -> list[nn.Module]:
     if isinstance(text_encoder, nn.Module):
         return [text_encoder]
     return list(getattr(text_encoder, "modules", list)())
-
-
-def streamed(text_encoder: Any) -> Streamed:
-    """The text encoders as a :class:`Streamed` part."""
-    return Streamed(text_modules(text_encoder))

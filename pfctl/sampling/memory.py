@@ -144,12 +144,12 @@ class MemoryLevel:
         parked, the text encoders with their T5 layers streamed."""
         if not self.moves:
             return {"dit": dit, "vae": vae, "text": text_encoder}
-        from pfctl.models.block_swap import BlockSwap, Parked, streamed
+        from pfctl.models.block_swap import BlockSwap, Parked, Streamed
 
         return {
             "dit": BlockSwap(dit) if self.level == "stream" else Parked(dit),
             "vae": Parked(vae),
-            "text": streamed(text_encoder),
+            "text": Streamed(text_encoder),
         }
 
     def record(self, parts: MemoryParts, gen: GenerateConfig, temps: list[int], width: int, height: int,

@@ -121,7 +121,7 @@ def test_parked_parts_go_back_to_their_host_tensors_without_a_copy():
 
 
 def test_the_text_encoders_stream_their_t5_layers_and_encode_the_same(text_folder):
-    from pfctl.models.block_swap import BlockSwap, streamed, streamed_blocks
+    from pfctl.models.block_swap import BlockSwap, Streamed, streamed_blocks
     from pfctl.models.text_encoder import load_text_encoder
     from pfctl.sampling.memory import measure_parts
 
@@ -129,7 +129,7 @@ def test_the_text_encoders_stream_their_t5_layers_and_encode_the_same(text_folde
     expected = encoder.encode(["a red circle moving right"])
     layers = [b for m in encoder.modules() for b in streamed_blocks(m)]
     assert layers and all(type(b).__name__ == "T5Block" for b in layers)
-    part = streamed(encoder).to("cpu")
+    part = Streamed(encoder).to("cpu")
     (swap,) = [p for p in part.parts if isinstance(p, BlockSwap)]
     seen: list[list[int]] = []
     for layer in layers:
