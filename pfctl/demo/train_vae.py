@@ -279,6 +279,23 @@ def _background(device: torch.device) -> torch.Tensor:
     return torch.tensor(BACKGROUND, dtype=torch.float32, device=device).view(1, 3, 1, 1, 1) / 127.5 - 1
 
 
+def _draw_batch(
+    pool: torch.Tensor, batch_size: int, gen: torch.Generator, device: torch.device
+) -> torch.Tensor:
+    """``batch_size`` clips of ``pool`` drawn and augmented with ``gen``, in [-1, 1] on ``device``."""
+    idx = torch.randint(0, pool.shape[0], (batch_size,), generator=gen)
+    return _to_unit(_augment(pool[idx], gen)).to(device)
+
+
+def _emit(
+    record: dict[str, Any], log_lines: list[str], on_log: Callable[[dict[str, Any]], None] | None
+) -> None:
+    """One log record: a JSON line of the log, and to ``on_log``."""
+    log_lines.append(json.dumps(record, sort_keys=True))
+    if on_log is not None:
+        on_log(record)
+
+
 def _train_loop(
     model: Any,
     pool: torch.Tensor,
@@ -303,8 +320,7 @@ def _train_loop(
         steps_done = step + 1
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, cfg)
-        idx = torch.randint(0, pool.shape[0], (cfg.batch_size,), generator=data_gen)
-        x = _to_unit(_augment(pool[idx], data_gen)).to(device)
+        x = _draw_batch(pool, cfg.batch_size, data_gen, device)
         if step < cfg.image_steps:
             x = x[:, :, :1]
         terms, posterior = _optimize_step(model, opt, x, background, noise_gen, cfg)
@@ -317,9 +333,7 @@ def _train_loop(
             record["lr"] = _lr_at(step, cfg)
             record["posterior_std"] = posterior.std.detach().mean().item()
             record["elapsed_s"] = round(time.perf_counter() - start, 1)
-            log_lines.append(json.dumps(record, sort_keys=True))
-            if on_log is not None:
-                on_log(record)
+            _emit(record, log_lines, on_log)
             running = {}
     return log_lines, steps_done
 
@@ -353,8 +367,7 @@ def _decoder_loop(
         steps_done = step + 1
         for group in opt.param_groups:
             group["lr"] = _decoder_lr_at(step, cfg)
-        idx = torch.randint(0, pool.shape[0], (cfg.batch_size,), generator=data_gen)
-        x = _to_unit(_augment(pool[idx], data_gen)).to(device)
+        x = _draw_batch(pool, cfg.batch_size, data_gen, device)
         with torch.no_grad():
             posterior = model.encode(x)
             eps = torch.randn(posterior.mean.shape, generator=noise_gen, device=device)
@@ -376,9 +389,7 @@ def _decoder_loop(
                 "lr": _decoder_lr_at(step, cfg),
                 "elapsed_s": round(time.perf_counter() - start, 1),
             }
-            log_lines.append(json.dumps(record, sort_keys=True))
-            if on_log is not None:
-                on_log(record)
+            _emit(record, log_lines, on_log)
             running = 0.0
     for param in model.parameters():
         param.requires_grad_(True)
