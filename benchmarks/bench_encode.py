@@ -134,17 +134,16 @@ def _vae_alone(args, vae_spec: str, shape: tuple[int, int, int], device, dtype_n
     frames, height, width = shape
     gen = torch.Generator().manual_seed(0)
     clip = (torch.rand((1, 3, frames, height, width), generator=gen) * 2 - 1).to(device=device, dtype=dtype)
-    rows = []
+    rows, batches = [], _batch_sizes(args)
     for chunking, window in _runs(args):
         label = chunking if window is None else f"{chunking} {window}"
-        for batch in _batch_sizes(args):
+        for batch in batches:
             video = clip.expand(batch, -1, -1, -1, -1).contiguous()
             seconds, peak = _best_of(
                 lambda v=video, c=chunking, w=window, m=vae: m.encode(v, chunking=c, chunk_frames=w), device
             )
             rows.append((f"VAE alone, pfctl ({label}, batch {batch})", batch / seconds, seconds, peak, {}))
-        first = rows[-len(_batch_sizes(args))]
-        _print_work(vae, clip, chunking, window, first[1], _batch_sizes(args)[0])
+        _print_work(vae, clip, chunking, window, label, rows[-len(batches)][1], batches[0])
     vae.module.to("cpu")  # the reference's peak memory counts its own weights only
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -153,7 +152,9 @@ def _vae_alone(args, vae_spec: str, shape: tuple[int, int, int], device, dtype_n
     return rows
 
 
-def _print_work(vae, clip, chunking: str, window: int | None, clips_per_s: float, batch: int) -> None:
+def _print_work(
+    vae, clip, chunking: str, window: int | None, label: str, clips_per_s: float, batch: int
+) -> None:
     """The encoder's arithmetic per clip (convolutions and products, counted by ``FlopCounterMode`` on one
     call) and the rate a VAE-alone row achieved: how far the VAE is from the device's peak."""
     import torch
@@ -162,7 +163,7 @@ def _print_work(vae, clip, chunking: str, window: int | None, clips_per_s: float
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         vae.encode(clip, chunking=chunking, chunk_frames=window)
     tflop = counter.get_total_flops() / 1e12
-    print(f"VAE encode ({chunking}{'' if window is None else f' {window}'}): {tflop:.3g} TFLOP per clip; "
+    print(f"VAE encode ({label}): {tflop:.3g} TFLOP per clip; "
           f"at {clips_per_s:.2f} clips/s (batch {batch}) that is {tflop * clips_per_s:.3g} TFLOP/s")  # fmt: skip
 
 
