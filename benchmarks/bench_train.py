@@ -20,11 +20,13 @@ What it prints (per process, the slowest / the mean over processes):
   activation checkpointing the recomputed forwards (2·N_checkpointed·tokens) are counted separately,
   as a hardware utilisation beside the MFU; the analytic model FLOPs (attention and text tokens
   included) as before;
-* host fraction: the host time of a step (until ``train_step`` returns) over its synchronised time,
-  and the part of it spent loading batches;
+* host fraction: the host's busy time of a step (until ``train_step`` returns, less the step's one wait
+  for the GPU's numbers) over its synchronised time, and the part of it spent loading batches;
 * peak memory (CUDA: allocated; CPU: the process's peak RSS);
 * time to steady state: from the first step's start to the end of the first step at which the median
-  of the last 5 step times is within 10% of the final median (compilation and recording included).
+  of the last 5 step times is within 10% of the final median (compilation and recording included);
+* the checkpoint: the time the loop waits for it (a host copy when written in the background, the CUDA
+  default) and the time until it is committed.
 
     python benchmarks/bench_train.py                                    # CPU tiny
     python benchmarks/bench_train.py --device cuda                      # H200: miniFLUX 384p, 16 frames
@@ -142,6 +144,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--profile", action="store_true", help="print the top ops of one profiled step")
+    parser.add_argument("--progress", action="store_true", help="print each step's time as it ends")
+    parser.add_argument("--no-checkpoint", action="store_true", help="skip the timed checkpoint save")
+    parser.add_argument(
+        "--compile-times", action="store_true", help="print where the compilation's time went (Dynamo's table)"
+    )
     parser.add_argument(
         "--attention",
         default=None,
@@ -183,6 +190,7 @@ class Setting:
     text_len: int
     steps: int
     warmup: int
+    progress: bool = False
 
 
 def plan_setting(args: argparse.Namespace, world: int) -> tuple[Any, Setting]:
@@ -232,7 +240,8 @@ def plan_setting(args: argparse.Namespace, world: int) -> tuple[Any, Setting]:
     overrides = [f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None]
     overrides.append("train.skip_loss_above=null")  # random weights: every update is applied (and timed)
     config = load_config(args.recipe, [*overrides, *args.overrides])
-    return config, Setting(cuda, frames, height, width, 128 if cuda else 8, steps, warmup)
+    progress = args.progress and int(os.environ.get("RANK", "0")) == 0
+    return config, Setting(cuda, frames, height, width, 128 if cuda else 8, steps, warmup, progress)
 
 
 def dit_dims(config: Any) -> dict[str, Any]:
@@ -264,6 +273,7 @@ class Timings:
 
     step: list[float] = field(default_factory=list)
     host: list[float] = field(default_factory=list)
+    wait: list[float] = field(default_factory=list)
     load: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     analytic: list[float] = field(default_factory=list)
@@ -308,7 +318,10 @@ def run_steps(trainer: Any, setting: Setting, dims: dict) -> Timings:
         if cuda:
             torch.cuda.synchronize()
         out.step.append(time.perf_counter() - tic)
+        if setting.progress:
+            print(f"bench step {i + 1}: {out.step[-1]:.3f} s", flush=True)
         out.host.append(returned)
+        out.wait.append(metrics["gpu_wait_s"])
         out.load.append(sum(load_s))
         out.tokens.append(sum(r["tokens"] for r in records))
         for rec in records:
@@ -379,10 +392,18 @@ def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tup
     if setting.cuda:
         torch.cuda.synchronize()
     tic = time.perf_counter()
-    trainer.save_checkpoint()
-    checkpoint_s = time.perf_counter() - tic
+    if not args.no_checkpoint:
+        trainer.save_checkpoint()
+    checkpoint_s = time.perf_counter() - tic  # what the loop waits for
+    if not args.no_checkpoint:
+        trainer.finish_checkpoints()
+    written_s = time.perf_counter() - tic  # until the checkpoint is committed (the same with blocking saves)
     if args.profile:
         profile_step(trainer, setting.cuda)
+    if args.compile_times:
+        from torch._dynamo.utils import compile_times
+
+        print(compile_times(repr="str", aggregate=True))
     if setting.cuda:
         peak = torch.cuda.max_memory_allocated() / 2**30
     else:
@@ -393,7 +414,7 @@ def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tup
 
     n = len(t.step)
     step_max = across_processes(t.step, "max")
-    host_max = across_processes(t.host, "max")
+    host_max = across_processes([h - w for h, w in zip(t.host, t.wait, strict=True)], "max")
     load_max = across_processes(t.load, "max")
     tokens = across_processes([float(x) for x in t.tokens], "mean")
     analytic = across_processes(t.analytic, "mean")
@@ -433,11 +454,11 @@ def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tup
         ("with recomputation (+2·N_ckpt·tokens)", util(6 * params + 2 * recomputed) if recomputed else "no recomputation"),
         ("analytic model TFLOP/s per GPU (attention, text)", f"{sum(analytic[i] for i in timed) / seconds / 1e12:.3g}"),
         # on CUDA train_step returns once the optimizer update is queued (the GPU may still run it)
-        ("host fraction of the step", f"{statistics.median(host_max[i] / step_max[i] for i in timed):.0%}"),
+        ("host busy fraction of the step", f"{statistics.median(host_max[i] / step_max[i] for i in timed):.0%}"),
         ("batch loading / step (host)", f"{statistics.median(load_max[i] for i in timed) * 1e3:.1f} ms"),
         ("blocking host syncs / step", "n/a (counted on CUDA, in a warm-up step)" if t.syncs is None else str(t.syncs)),
         ("peak memory", f"{peak:.2f} GiB " + ("allocated" if setting.cuda else "RSS")),
-        ("checkpoint save (not timed above)", f"{checkpoint_s:.2f} s"),
+        ("checkpoint save (not timed above)", "skipped (--no-checkpoint)" if args.no_checkpoint else f"{checkpoint_s:.2f} s in the loop, written after {written_s:.2f} s"),
         ("last loss", f"{t.metrics['loss']:.4f}"),
         ("step times (s, in order)", " ".join(f"{x:.2f}" for x in step_max)),
     ]  # fmt: skip

@@ -196,18 +196,24 @@ class TrainConfig(Section):
     cuda_graphs: bool | Literal["auto"] = "auto"
     """With compiled blocks: each block's forward and backward is also recorded as a CUDA graph, once per
     token count, and replayed (``torch.compile`` mode ``reduce-overhead``), so the host no longer sets the
-    step's pace. ``auto`` (default): on when the blocks are compiled, nothing recomputes or gathers inside a
+    step's pace. ``auto`` (default): on when the blocks are compiled and nothing recomputes or gathers inside a
     block (no gradient checkpointing, no sharding over several processes: ``train.fsdp`` with one process
-    shards nothing and is skipped then) and a step is one micro-batch (``train.grad_accum=1``, the setting
-    measured on a GPU; with accumulation the gradients accumulate into tensors of their own, which ``true``
-    turns on); else off. Held-out losses and validation samples run the blocks eagerly. ``true`` refuses
-    gradient checkpointing and FSDP."""
+    shards nothing and is skipped then); else off. With gradient accumulation the gradients accumulate into
+    tensors of their own (the graphs' memory is reused by the next micro-batch). Every distinct token count
+    is recorded once, so the warm-up grows with the number of inputs a rank builds (the log lists them).
+    Held-out losses and validation samples run the blocks eagerly. ``true`` refuses gradient checkpointing
+    and FSDP over several processes."""
 
     # --- checkpoints ----------------------------------------------------------------------------
     checkpoint_every: int = Field(default=1000, ge=1)
     """Save every N optimizer steps; the last step is always saved."""
     keep_last: int | None = Field(default=3, ge=1)
     """Keep the newest K checkpoints; None = keep all."""
+    checkpoint_async: bool | Literal["auto"] = "auto"
+    """Write checkpoints in the background: the loop waits only for a copy of the state in host memory (about
+    the checkpoint's size in RAM), a thread per rank writes the files and the main process commits the folder
+    once every rank is done (the log says ``saved checkpoint`` then). A run killed during the write resumes
+    from the checkpoint before. ``auto`` (default): on CUDA; on the CPU checkpoints are written at once."""
     resume: str | None = None
     """``latest`` (newest complete checkpoint in output_dir, if any) or a checkpoint folder."""
     export: bool = True
@@ -311,7 +317,11 @@ def check_train_constraints(train: TrainConfig, world_size: int) -> SyncGroupPla
                     train.gradient_checkpointing,
                     "recomputes inside backward",
                 ),
-                (f"train.fsdp={train.fsdp}", train.fsdp != "none", "gathers weights around every block"),
+                (
+                    f"train.fsdp={train.fsdp}",  # (one process without offload shards nothing: skipped)
+                    train.fsdp != "none" and (world_size > 1 or train.fsdp_cpu_offload),
+                    "gathers weights around every block",
+                ),
             )
             if bad
         ]
@@ -352,7 +362,7 @@ def resolve_train_speed(
 ) -> TrainSpeed:
     """The ``auto`` speed options for this device and world size: compiled blocks on CUDA; CUDA graphs where
     the blocks are compiled and neither checkpointing nor a sharded block changes what a block does in its
-    backward, for steps of one micro-batch; cuDNN attention with the graphs (its per-shape planning is then
+    backward; cuDNN attention with the graphs (its per-shape planning is then
     paid once), the memory-efficient kernel without. ``train.fsdp`` with one CUDA process (no host offload) shards nothing:
     skipped, so the graphs can stay on. ``no_compiler``: why ``torch.compile`` cannot generate code here (no
     Triton): ``auto`` then keeps the eager blocks. Explicit ``true`` / ``false`` settings are kept."""
@@ -370,10 +380,7 @@ def resolve_train_speed(
     graphs = compiled and (
         train.cuda_graphs is True
         or (
-            train.cuda_graphs == "auto"
-            and not train.gradient_checkpointing
-            and fsdp == "none"
-            and train.grad_accum == 1
+            train.cuda_graphs == "auto" and not train.gradient_checkpointing and fsdp == "none"
         )
     )
     attention = train.attention

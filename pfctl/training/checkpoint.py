@@ -14,17 +14,21 @@ Layout of ``output_dir/checkpoints/step-NNNNNN/``::
 A checkpoint is written into ``checkpoints/.tmp-step-NNNNNN`` and renamed into place by the
 main process after every rank has written its files; ``latest`` only considers folders named
 ``step-NNNNNN`` that contain a ``train_state.json``, so a run killed mid-save never leaves a
-checkpoint that a resume would pick. Nothing here is pickled: tensors go to safetensors, the
-rest to JSON.
+checkpoint that a resume would pick. :class:`BackgroundSaver` writes the same folders from a
+thread while training goes on. Nothing here is pickled: tensors go to safetensors, the rest to JSON.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
 import random
 import re
 import shutil
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +38,7 @@ import numpy as np
 import torch
 
 from pfctl.errors import CheckpointError
-from pfctl.utils.io import atomic_save_safetensors, atomic_write_json
+from pfctl.utils.io import atomic_save_safetensors, atomic_write_bytes, atomic_write_json
 
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
@@ -205,44 +209,140 @@ def save_checkpoint(
     keep_last: int | None = None,
 ) -> Path:
     """Write ``root/step-NNNNNN`` atomically (see module docstring). Every rank must call it."""
-    root = Path(root)
-    final = root / step_dir_name(payload.step)
-    tmp = root / f".tmp-{step_dir_name(payload.step)}"
+    final, tmp = _prepare(Path(root), payload.step, is_main, barrier)
+    _write_files(tmp, payload, rank, is_main)
+    barrier()
+    if is_main:
+        _commit(tmp, final, payload, keep_last)
+    barrier()
+    return final
+
+
+def _prepare(root: Path, step: int, is_main: bool, barrier: Callable[[], None]) -> tuple[Path, Path]:
+    """(the checkpoint's folder, its temporary folder, made empty by the main process before any rank writes)."""
+    final, tmp = root / step_dir_name(step), root / f".tmp-{step_dir_name(step)}"
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "ranks").mkdir(parents=True)
     barrier()
+    return final, tmp
+
+
+def _write_files(tmp: Path, payload: CheckpointPayload, rank: int, is_main: bool) -> None:
+    """This rank's files; on the main process also the model, EMA, optimizer and LR schedule."""
     rank_name = f"rank-{rank:05d}"
     atomic_save_safetensors(payload.rank_tensors, tmp / "ranks" / f"{rank_name}.safetensors")
     atomic_write_json(tmp / "ranks" / f"{rank_name}.json", payload.rank_state)
-    if is_main:
-        assert payload.model is not None and payload.model_state is not None
-        if payload.adapter_config is not None:
-            from pfctl.models.lora import write_adapter_files
+    if not is_main:
+        return
+    assert payload.model is not None and payload.model_state is not None
+    if payload.adapter_config is not None:
+        from pfctl.models.lora import write_adapter_files
 
-            write_adapter_files(tmp / "model", payload.model_state, payload.adapter_config)
-            if payload.ema_state is not None:
-                write_adapter_files(tmp / "ema", payload.ema_state, payload.adapter_config)
-        else:
-            save_model_folder(tmp / "model", payload.model, payload.model_state)
-            if payload.ema_state is not None:
-                save_model_folder(tmp / "ema", payload.model, payload.ema_state)
-        if payload.optimizer_state is not None:
-            tensors, meta = optimizer_to_files(payload.optimizer_state)
-            atomic_save_safetensors(tensors, tmp / "optimizer.safetensors")
-            atomic_write_json(tmp / "optimizer.json", meta)
-        if payload.scheduler_state is not None:
-            atomic_write_json(tmp / "lr_scheduler.json", payload.scheduler_state)
-    barrier()
-    if is_main:
-        state = {"format_version": FORMAT_VERSION, "step": payload.step, **payload.train_state}
-        atomic_write_json(tmp / "train_state.json", state)  # the commit marker: written last
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        prune_checkpoints(root, keep_last)
-    barrier()
-    return final
+        write_adapter_files(tmp / "model", payload.model_state, payload.adapter_config)
+        if payload.ema_state is not None:
+            write_adapter_files(tmp / "ema", payload.ema_state, payload.adapter_config)
+    else:
+        save_model_folder(tmp / "model", payload.model, payload.model_state)
+        if payload.ema_state is not None:
+            save_model_folder(tmp / "ema", payload.model, payload.ema_state)
+    if payload.optimizer_state is not None:
+        tensors, meta = optimizer_to_files(payload.optimizer_state)
+        atomic_save_safetensors(tensors, tmp / "optimizer.safetensors")
+        atomic_write_json(tmp / "optimizer.json", meta)
+    if payload.scheduler_state is not None:
+        atomic_write_json(tmp / "lr_scheduler.json", payload.scheduler_state)
+
+
+def _commit(tmp: Path, final: Path, payload: CheckpointPayload, keep_last: int | None) -> None:
+    """Main process, once every rank has written: the commit marker last, the rename, the pruning."""
+    state = {"format_version": FORMAT_VERSION, "step": payload.step, **payload.train_state}
+    atomic_write_json(tmp / "train_state.json", state)  # the commit marker: written last
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    prune_checkpoints(final.parent, keep_last)
+
+
+def host_copy(value: Any) -> Any:
+    """``value`` (a payload, or any nesting of dicts, lists and tuples) with every tensor copied into host
+    memory of its own and everything else deep-copied: what the run changes after this leaves it as it was."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: host_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(host_copy(v) for v in value)
+    if isinstance(value, CheckpointPayload):
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.name != "model"}
+        return dataclasses.replace(value, **host_copy(fields))
+    return copy.deepcopy(value)
+
+
+class BackgroundSaver:
+    """Checkpoints written while training goes on: :meth:`save` copies the payload into host memory (the only
+    part the loop waits for) and a thread of each rank writes its files; the main process's thread then waits
+    for every rank's ``.written`` marker (the folder is shared) and commits as :func:`save_checkpoint` does.
+    One save is in flight at a time: the next :meth:`save` and :meth:`wait` join it (and raise its error).
+    A run killed during the write leaves the previous checkpoint as the latest: never a partial one.
+    ``on_saved(path)`` runs on the main process once a checkpoint is committed."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        rank: int,
+        world_size: int,
+        is_main: bool,
+        barrier: Callable[[], None],
+        keep_last: int | None = None,
+        on_saved: Callable[[Path], None] | None = None,
+        timeout_s: float = 1800.0,
+    ) -> None:
+        self.root, self.rank, self.world_size, self.is_main = Path(root), rank, world_size, is_main
+        self.barrier, self.keep_last, self.on_saved, self.timeout_s = barrier, keep_last, on_saved, timeout_s
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(self, payload: CheckpointPayload) -> Path:
+        """Start writing ``payload`` (every rank calls it); returns the folder it will be committed to."""
+        self.wait()
+        final, tmp = _prepare(self.root, payload.step, self.is_main, self.barrier)
+        snapshot = host_copy(payload)
+        self._thread = threading.Thread(
+            target=self._write, args=(snapshot, tmp, final), name=f"pfctl-{final.name}", daemon=False
+        )
+        self._thread.start()
+        return final
+
+    def wait(self) -> None:
+        """Block until the save in flight is written (on the main process: committed)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"writing the checkpoint failed: {error}") from error
+
+    def _write(self, payload: CheckpointPayload, tmp: Path, final: Path) -> None:
+        try:
+            _write_files(tmp, payload, self.rank, self.is_main)
+            atomic_write_bytes(tmp / "ranks" / f"rank-{self.rank:05d}.written", b"")
+            if not self.is_main:
+                return
+            markers = [tmp / "ranks" / f"rank-{r:05d}.written" for r in range(self.world_size)]
+            deadline = time.monotonic() + self.timeout_s
+            while not all(m.is_file() for m in markers):
+                if time.monotonic() > deadline:
+                    raise CheckpointError(f"ranks did not finish writing {tmp} within {self.timeout_s:.0f} s")
+                time.sleep(0.05)
+            for marker in markers:
+                marker.unlink()
+            _commit(tmp, final, payload, self.keep_last)
+            if self.on_saved is not None:
+                self.on_saved(final)
+        except BaseException as exc:  # raised on the training thread by the next save / wait
+            self._error = exc
 
 
 def prune_checkpoints(root: Path, keep_last: int | None) -> list[Path]:

@@ -106,7 +106,9 @@ class Trainer:
         self.loaded: ckpt.LoadedCheckpoint | None = None
         self.started = time.perf_counter()  # wall time of the run: metrics' elapsed_s
         self.data_seconds = 0.0  # host time spent loading batches in the current step
+        self.wait_seconds = 0.0  # host time the current step spent waiting for the GPU (its one read)
         self.warmup: WarmupWatch | None = None  # compiled blocks: the warm-up in the log
+        self.saver: ckpt.BackgroundSaver | None = None  # checkpoints written in the background
 
     # ------------------------------------------------------------------------------------------
     # the loop
@@ -145,6 +147,7 @@ class Trainer:
                     with self.off_the_training_graphs():
                         self.validate()
             export = self.export() if cfg.export and self.step == cfg.max_steps else None
+            self.finish_checkpoints()
             if self.runtime.is_main and self.step == cfg.max_steps:
                 summary = write_summary(self.out)
                 pflog.log(f"run summary: {summary.path} (loss curve: {summary.plot})")
@@ -184,7 +187,9 @@ class Trainer:
             norm = sharding.clip_grad_norm(self.model.parameters(), max_norm)
         else:
             norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
+        wait = time.perf_counter()
         totals = torch.cat([stats, norm.reshape(1).to(stats)]).tolist()  # the step's one wait for the GPU
+        self.wait_seconds = time.perf_counter() - wait
         mean_loss, grad_norm = totals[0] / world, totals[-1]
         skipped = self.skip_reason(mean_loss, grad_norm, local_bad, step_ids)
         self.update(skipped)
@@ -207,10 +212,14 @@ class Trainer:
         }
 
     def step_metrics(self, seconds: float, tokens: float) -> dict[str, float]:
-        """The step's host time loading data, the run's wall time so far, and on CUDA the peak memory
+        """The step's host time loading data and waiting for the GPU, the run's wall time so far, and on CUDA the peak memory
         (reset for the next step) and the MFU (on a GPU of known peak)."""
         device, data_seconds, self.data_seconds = self.runtime.device, self.data_seconds, 0.0
-        out = {"data_time_s": data_seconds, "elapsed_s": time.perf_counter() - self.started}
+        out = {
+            "data_time_s": data_seconds,
+            "gpu_wait_s": self.wait_seconds,
+            "elapsed_s": time.perf_counter() - self.started,
+        }
         if device.type == "cuda":
             out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             torch.cuda.reset_peak_memory_stats(device)
@@ -501,14 +510,24 @@ class Trainer:
                     p.grad = torch.zeros_like(p)
 
     def setup_state(self) -> None:
-        """EMA (fp32 shadow), the pyramid scheduler, the per-rank noise generator; the resolved config and
-        the trackers."""
+        """EMA (fp32 shadow), the pyramid scheduler, the per-rank noise generator, the checkpoint writer; the
+        resolved config and the trackers."""
         cfg, rt = self.cfg, self.runtime
         self.ema = EMA(self.trained_state(), cfg.ema_decay, cfg.ema_every) if cfg.ema_decay else None
         self.flow = PyramidFlowScheduler()
         noise_seed = int(group_rng(rt.seed, _NOISE, rt.rank).integers(2**62))
         self.noise = torch.Generator(device=rt.device).manual_seed(noise_seed)
         self.peak_flops = peak_flops(rt.device)
+        background = cfg.checkpoint_async is True or (cfg.checkpoint_async == "auto" and rt.device.type == "cuda")
+        self.saver = (
+            ckpt.BackgroundSaver(
+                self.out / "checkpoints", rank=rt.rank, world_size=rt.world_size, is_main=rt.is_main,
+                barrier=rt.barrier, keep_last=cfg.keep_last,
+                on_saved=lambda path: pflog.log(f"saved checkpoint {path}"),
+            )
+            if background
+            else None
+        )  # fmt: skip
         if rt.is_main:
             from pfctl.config import dump_config
 
@@ -620,12 +639,22 @@ class Trainer:
             scheduler_state=self.lr_scheduler.state_dict(),
             adapter_config=self.weights.adapter_config(),
         )
-        path = ckpt.save_checkpoint(
-            self.out / "checkpoints", payload, rank=rt.rank, is_main=rt.is_main, barrier=rt.barrier,
-            keep_last=cfg.keep_last,
-        )  # fmt: skip
+        if self.saver is not None:
+            path = self.saver.save(payload)
+            pflog.log(f"writing checkpoint {path} in the background")
+        else:
+            path = ckpt.save_checkpoint(
+                self.out / "checkpoints", payload, rank=rt.rank, is_main=rt.is_main, barrier=rt.barrier,
+                keep_last=cfg.keep_last,
+            )  # fmt: skip
+            pflog.log(f"saved checkpoint {path}")
         self.saved.append(str(path))
-        pflog.log(f"saved checkpoint {path}")
+
+    def finish_checkpoints(self) -> None:
+        """The checkpoint written in the background (if any) is complete on every rank (raises its error)."""
+        if self.saver is not None:
+            self.saver.wait()
+            self.runtime.barrier()
 
     def export(self) -> Path:
         """``output_dir/export`` (main process): a model folder ``pfctl generate --model`` loads, or for a
@@ -706,6 +735,9 @@ class Trainer:
         return samples
 
     def close(self) -> None:
+        if self.saver is not None:  # a failed run still completes the save in flight
+            with contextlib.suppress(CheckpointError):
+                self.saver.wait()
         if getattr(self, "runtime", None) is not None and self.cfg.trackers:
             self.runtime.accelerator.end_training()
 

@@ -132,12 +132,14 @@ def cpu_unsharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fsdp", ["shard_grad_op", "full_shard"])
+@pytest.mark.parametrize(("fsdp", "background"), [("shard_grad_op", False), ("full_shard", True)])
 def test_fsdp_on_cpu_processes_matches_unsharded_and_resumes(
-    tmp_path: Path, cpu_unsharded: Path, fsdp: str
+    tmp_path: Path, cpu_unsharded: Path, fsdp: str, background: bool
 ) -> None:
+    """``background``: the sharded run writes its checkpoints from a thread per rank (``train.checkpoint_async``),
+    committed by the main process once both ranks have written; the resume from them is still exact."""
     os.symlink(cpu_unsharded.parent / "cache", tmp_path / "cache")
-    sharded = _run(tmp_path, "sharded", "cpu", fsdp=fsdp)
+    sharded = _run(tmp_path, "sharded", "cpu", fsdp=fsdp, checkpoint_async=background)
     _check_sharded_run(tmp_path, sharded, cpu_unsharded, fsdp, "cpu")
 
 

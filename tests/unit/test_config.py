@@ -119,12 +119,14 @@ def test_cuda_graphs_names_each_setting_it_cannot_work_with(overrides: list[str]
 
     train = load_config(None, overrides).train
     with pytest.raises(ConfigError) as info:
-        check_train_constraints(train, 1)
+        check_train_constraints(train, 2)
     message = str(info.value).splitlines()[0]  # (the hint below it names every setting)
     assert all(key in message for key in named)
     assert message.count("train.") - message.count("train.cuda_graphs") == len(named)
     check_train_constraints(load_config(None, ["train.cuda_graphs=true", "train.compile=true"]).train, 1)
     check_train_constraints(load_config(None, ["train.cuda_graphs=true"]).train, 1)  # compile auto
+    # FSDP over one process (no offload) shards nothing and is skipped: nothing to refuse
+    check_train_constraints(load_config(None, ["train.cuda_graphs=true", "train.fsdp=full_shard"]).train, 1)
 
 
 # (overrides, device, world) -> (compile, cuda_graphs, attention, fsdp): the defaults are the fast path on
@@ -136,7 +138,7 @@ SPEED_CASES = [
     (["train.gradient_checkpointing=true"], "cuda", 1, (True, False, "efficient", "none")),
     (["train.fsdp=shard_grad_op"], "cuda", 2, (True, False, "efficient", "shard_grad_op")),
     (["train.fsdp=shard_grad_op"], "cuda", 1, (True, True, "cudnn", "none")),  # one process: nothing to shard
-    (["train.grad_accum=2"], "cuda", 1, (True, False, "efficient", "none")),
+    (["train.grad_accum=2"], "cuda", 1, (True, True, "cudnn", "none")),
     (["train.grad_accum=2", "train.cuda_graphs=true"], "cuda", 1, (True, True, "cudnn", "none")),
     (
         ["train.fsdp=full_shard", "train.fsdp_cpu_offload=true"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -86,3 +87,90 @@ def test_missing_rank_state_names_the_layout(tmp_path: Path) -> None:
     path, *_ = _save(tmp_path, 1)
     with pytest.raises(CheckpointError, match="no state for rank 3"):
         ckpt.load_checkpoint(path, rank=3)
+
+
+def _trained(step: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Generator]:
+    torch.manual_seed(step)
+    net = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+    net(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    return net, opt, torch.Generator().manual_seed(5)
+
+
+def test_background_saver_writes_the_state_of_the_call_while_the_run_goes_on(tmp_path: Path) -> None:
+    """The files equal a blocking save's, byte for byte, although the model, optimizer and generator change
+    right after ``save`` returns (the write works on its own host copy); the folder is committed once written,
+    pruned like the blocking path, and carries no marker files."""
+    net, opt, gen = _trained(3)
+    blocking = ckpt.save_checkpoint(tmp_path / "a", _payload(3, net, opt, gen), rank=0, is_main=True,
+                                    barrier=lambda: None)  # fmt: skip
+    saved: list[Path] = []
+    saver = ckpt.BackgroundSaver(tmp_path / "b", rank=0, world_size=1, is_main=True, barrier=lambda: None,
+                                 keep_last=1, on_saved=saved.append)  # fmt: skip
+    path = saver.save(_payload(3, net, opt, gen))
+    with torch.no_grad():  # the run goes on: in-place updates of everything the payload referenced
+        net.weight.add_(1.0)
+    opt.step()
+    torch.rand(3, generator=gen)
+    saver.wait()
+    assert saved == [path] and path == tmp_path / "b" / "step-000003"
+    files = sorted(p.relative_to(blocking) for p in blocking.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(path) for p in path.rglob("*") if p.is_file())
+    for name in files:
+        assert (blocking / name).read_bytes() == (path / name).read_bytes(), name
+    net2, opt2, gen2 = _trained(4)
+    saver.save(_payload(4, net2, opt2, gen2))
+    saver.wait()
+    assert [p.name for _, p in ckpt.list_checkpoints(tmp_path / "b")] == ["step-000004"]  # keep_last=1
+
+
+def test_background_saver_commits_after_every_rank_has_written(tmp_path: Path) -> None:
+    """Two ranks (threads, a shared barrier): the main process commits only once the other rank's files are
+    there, however late that rank's write starts."""
+    import threading
+
+    barrier = threading.Barrier(2)
+    other_may_write = threading.Event()
+    committed: list[Path] = []
+
+    def rank(r: int) -> None:
+        net, opt, gen = _trained(2)
+        payload = _payload(2, net, opt, gen)
+        if r == 1:  # a late rank: its files come only when the test says so
+            barrier.wait()  # (the save's own barrier, after the main process made the folder)
+            other_may_write.wait(timeout=30)
+            ckpt._write_files(tmp_path / ".tmp-step-000002", ckpt.host_copy(payload), 1, False)
+            ckpt.atomic_write_bytes(tmp_path / ".tmp-step-000002" / "ranks" / "rank-00001.written", b"")
+            return
+        saver = ckpt.BackgroundSaver(tmp_path, rank=0, world_size=2, is_main=True, barrier=barrier.wait,
+                                     on_saved=committed.append)  # fmt: skip
+        saver.save(payload)
+        time.sleep(0.3)
+        assert not committed and ckpt.find_latest(tmp_path) is None  # still waiting for rank 1
+        other_may_write.set()
+        saver.wait()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert committed == [tmp_path / "step-000002"]
+    assert sorted(p.name for p in (committed[0] / "ranks").iterdir()) == [
+        "rank-00000.json", "rank-00000.safetensors", "rank-00001.json", "rank-00001.safetensors",
+    ]  # fmt: skip
+
+
+def test_background_saver_raises_a_failed_write_on_the_next_call(tmp_path: Path) -> None:
+    """A write that fails (here: a state entry safetensors cannot store) is reported by ``wait`` as a CheckpointError,
+    and nothing is committed."""
+    net, opt, gen = _trained(1)
+    saver = ckpt.BackgroundSaver(tmp_path, rank=0, world_size=1, is_main=True, barrier=lambda: None)
+    payload = _payload(1, net, opt, gen)
+    payload.model_state = {"weight": object()}  # not a tensor: the safetensors write fails in the thread
+    saver.save(payload)
+    with pytest.raises(CheckpointError, match="writing the checkpoint failed"):
+        saver.wait()
+    assert ckpt.find_latest(tmp_path) is None
+    saver.wait()  # reported once
