@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite in one call (2x H200: single-GPU benchmarks on GPU 0, then the
 # 2-process sync-group run and the FSDP tests on both). Results: $OUT (or ./bench-out).
-# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,refgen768,gen768,gen768skip,gen768prof,attention,traingraphs,rowgroups,lowmem,fp8,refgen1,recipe384]
+# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,refgen768,gen768,gen768skip,gen768prof,attention,traingraphs,rowgroups,lowmem,fp8,refgen1,recipe384,graphtests,recipe768]
 # (LAYOUTS=channels_last_unfused,channels_last picks the VAE layouts the vae steps time)
 # (TRAIN_VARIANTS=efficient,efficient+compile+skip picks the pfctl variants the trainvariants step times)
 # (reference: needs a Pyramid-Flow checkout in third_party/Pyramid-Flow and einops; not in the default list)
@@ -112,6 +112,15 @@ case ",$STEPS," in *,refgen1,*)
   CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py generate --device cuda --repeats 2 --reference-repeats 1 --reference third_party/Pyramid-Flow --json "$OUT/refgen1.json" 2>&1 | tee -a "$OUT/suite.log" | tail -10;;
 esac
 case ",$STEPS," in *,recipe384,*)
-  echo "=== pfctl train, the 384p recipe as shipped, beside the reference's step (GPU $GPU; ~6 min)"
-  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --reference third_party/Pyramid-Flow --warmup 40 --steps 15 --json "$OUT/recipe384.json" 2>&1 | tee -a "$OUT/suite.log" | tail -32;;
+  # one rank builds all 16 inputs: compilation ~215 s, then each input once unrecorded and once recorded (~300 s to steady)
+  echo "=== pfctl train, the 384p recipe as shipped, beside the reference's step (GPU $GPU; ~8 min)"
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --reference third_party/Pyramid-Flow --warmup 18 --steps 10 --progress --compile-times --json "$OUT/recipe384.json" 2>&1 | tee -a "$OUT/suite.log" | tail -40;;
+esac
+case ",$STEPS," in *,graphtests,*)
+  echo "=== CUDA tests: graphs under accumulation vs eager, checkpointing + compile + FSDP2 vs eager (GPU $GPU; ~5 min)"
+  CUDA_VISIBLE_DEVICES=$GPU python -m pytest -q -p no:cacheprovider tests/integration/test_train_single.py tests/unit/test_dit.py -k "cuda_graphs_train_like_the_eager_path_with_accumulation or compose_on_cuda" 2>&1 | tee -a "$OUT/suite.log" | tail -12;;
+esac
+case ",$STEPS," in *,recipe768,*)
+  echo "=== pfctl train, the 768p recipe on one GPU (checkpointing 0.75, compiled blocks), beside the reference's step (GPU $GPU; ~8 min)"
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-768p-8gpu --processes 1 --reference third_party/Pyramid-Flow --warmup 8 --steps 6 --progress --compile-times --json "$OUT/recipe768.json" 2>&1 | tee -a "$OUT/suite.log" | tail -40;;
 esac
