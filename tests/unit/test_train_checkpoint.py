@@ -125,38 +125,45 @@ def test_background_saver_writes_the_state_of_the_call_while_the_run_goes_on(tmp
     assert [p.name for _, p in ckpt.list_checkpoints(tmp_path / "b")] == ["step-000004"]  # keep_last=1
 
 
-def test_background_saver_commits_after_every_rank_has_written(tmp_path: Path) -> None:
-    """Two ranks (threads, a shared barrier): the main process commits only once the other rank's files are
-    there, however late that rank's write starts."""
+def test_background_saver_commits_after_every_rank_has_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ranks (threads, a shared barrier), rank 1's write held back: the main process commits only once
+    rank 1's files are there, and the committed folder holds both ranks' files and no markers."""
     import threading
 
     barrier = threading.Barrier(2)
-    other_may_write = threading.Event()
+    release = threading.Event()
     committed: list[Path] = []
+    write_files = ckpt._write_files
 
-    def rank(r: int) -> None:
-        net, opt, gen = _trained(2)
-        payload = _payload(2, net, opt, gen)
-        if r == 1:  # a late rank: its files come only when the test says so
-            barrier.wait()  # (the save's own barrier, after the main process made the folder)
-            other_may_write.wait(timeout=30)
-            ckpt._write_files(tmp_path / ".tmp-step-000002", ckpt.host_copy(payload), 1, False)
-            ckpt.atomic_write_bytes(tmp_path / ".tmp-step-000002" / "ranks" / "rank-00001.written", b"")
-            return
-        saver = ckpt.BackgroundSaver(tmp_path, rank=0, world_size=2, is_main=True, barrier=barrier.wait,
-                                     on_saved=committed.append)  # fmt: skip
-        saver.save(payload)
-        time.sleep(0.3)
-        assert not committed and ckpt.find_latest(tmp_path) is None  # still waiting for rank 1
-        other_may_write.set()
-        saver.wait()
+    def late_rank_one(tmp: Path, payload: ckpt.CheckpointPayload, rank: int, is_main: bool) -> None:
+        if rank == 1:
+            release.wait(timeout=30)
+        write_files(tmp, payload, rank, is_main)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    monkeypatch.setattr(ckpt, "_write_files", late_rank_one)
+    savers = [
+        ckpt.BackgroundSaver(
+            tmp_path, rank=r, world_size=2, is_main=r == 0, barrier=barrier.wait, on_saved=committed.append
+        )
+        for r in (0, 1)
+    ]
+
+    def save(r: int) -> None:
+        savers[r].save(_payload(2, *_trained(2)))
+
+    threads = [threading.Thread(target=save, args=(r,)) for r in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=60)
-    assert committed == [tmp_path / "step-000002"]
+        t.join(timeout=30)
+    time.sleep(0.3)
+    assert not committed and ckpt.find_latest(tmp_path) is None  # the main process waits for rank 1
+    release.set()
+    savers[1].wait()
+    savers[0].wait()
+    assert committed == [tmp_path / "step-000002"] and ckpt.find_latest(tmp_path) == committed[0]
     assert sorted(p.name for p in (committed[0] / "ranks").iterdir()) == [
         "rank-00000.json", "rank-00000.safetensors", "rank-00001.json", "rank-00001.safetensors",
     ]  # fmt: skip
