@@ -35,6 +35,8 @@ What it prints (per process, the slowest / the mean over processes):
         --reference third_party/Pyramid-Flow                            # side by side, one GPU
     python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --device cpu \\
         --set model.dit_preset=tiny --frames 2 --height 8 --width 8     # CPU smoke run
+    python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --progress \\
+        --inductor triton.slow_path_cudagraph_asserts=False             # a warm-up experiment
 """
 
 from __future__ import annotations
@@ -146,6 +148,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true", help="print the top ops of one profiled step")
     parser.add_argument("--progress", action="store_true", help="print each step's time as it ends")
     parser.add_argument("--no-checkpoint", action="store_true", help="skip the timed checkpoint save")
+    parser.add_argument(
+        "--inductor",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an experiment: set torch._inductor.config KEY (dotted, e.g. triton.slow_path_cudagraph_asserts) "
+        "to the Python literal VALUE in this process before the run (repeatable; printed in the report)",
+    )
     parser.add_argument(
         "--compile-times", action="store_true", help="print where the compilation's time went (Dynamo's table)"
     )
@@ -439,6 +449,7 @@ def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tup
         ("device", f"{device_name} x {world}"),
         ("recipe", args.recipe or "(built-in)"),
         ("overrides", " ".join(args.overrides) or "-"),
+        ("inductor options", " ".join(args.inductor) or "-"),
         ("model / params", f"{config.model.dit_preset or config.model.path} / {params / 1e6:.1f} M"),
         ("latents (T x H x W)", f"{setting.frames} x {setting.height} x {setting.width}"),
         ("batch per rank", f"{cfg.batch_size} clips x {cfg.grad_accum} micro-steps, sync group {cfg.video_sync_group}"),
@@ -501,9 +512,27 @@ def reference_rows(root: Path, config: Any, setting: Setting, ours: dict[str, st
     ]
 
 
+def set_inductor_options(options: list[str]) -> None:
+    """``KEY=VALUE`` pairs into ``torch._inductor.config`` (an unknown key is an error, not a no-op)."""
+    import ast
+
+    import torch._inductor.config as inductor_config
+
+    for option in options:
+        key, _, value = option.partition("=")
+        *parents, name = key.split(".")
+        target = inductor_config
+        for part in parents:
+            target = getattr(target, part)
+        if not hasattr(target, name):
+            raise SystemExit(f"--inductor {option}: torch._inductor.config has no {key}")
+        setattr(target, name, ast.literal_eval(value))
+
+
 def run_here(args: argparse.Namespace) -> None:
     """This process's part: plan, (a lone process: write the cache,) measure, print on the main process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    set_inductor_options(args.inductor)
     config, setting = plan_setting(args, world)
     if not Path(config.train.cache).is_dir():
         if world > 1:
