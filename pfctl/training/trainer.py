@@ -212,8 +212,8 @@ class Trainer:
         }
 
     def step_metrics(self, seconds: float, tokens: float) -> dict[str, float]:
-        """The step's host time loading data and waiting for the GPU, the run's wall time so far, and on CUDA the peak memory
-        (reset for the next step) and the MFU (on a GPU of known peak)."""
+        """The step's host time loading data and waiting for the GPU, the run's wall time so far, and on CUDA
+        the peak memory (reset for the next step) and the MFU (on a GPU of known peak)."""
         device, data_seconds, self.data_seconds = self.runtime.device, self.data_seconds, 0.0
         out = {
             "data_time_s": data_seconds,
@@ -736,8 +736,10 @@ class Trainer:
 
     def close(self) -> None:
         if self.saver is not None:  # a failed run still completes the save in flight
-            with contextlib.suppress(CheckpointError):
+            try:
                 self.saver.wait()
+            except CheckpointError as exc:  # (a run that ends well has raised it in finish_checkpoints)
+                pflog.warn(str(exc))
         if getattr(self, "runtime", None) is not None and self.cfg.trackers:
             self.runtime.accelerator.end_training()
 
