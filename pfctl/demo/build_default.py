@@ -11,7 +11,9 @@
    read them);
 4. ``pfctl encode-latents --recipe shapes-tiny`` — latents + text features of every clip;
 5. ``torchrun --nproc_per_node 2 -m pfctl train --recipe shapes-tiny`` — the DiT (preset
-   ``shapes-tiny``) from scratch, 2 CPU processes in one sync group of 2;
+   ``shapes-tiny``) from scratch, 2 CPU processes in one sync group of 2; then a fine-tune of it
+   (:data:`FINE_TUNE`, one process) on a view of the cache that lists the clips of the colours in
+   :data:`COLOUR_WEIGHTS` more often (green was drawn blue without it);
 6. assemble the official folder layout + ``manifest.json`` (sha256 of every file, the
    generation settings of the recipe's ``generate:`` section, how it was trained);
 7. (``--evaluate``) generate the acceptance prompt set and score it.
@@ -44,6 +46,21 @@ RECIPE = "shapes-tiny"
 NUM_CLIPS = 576
 TEXT_SEED = 0
 AUX_FOLDERS = ("causal_video_vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+COLOUR_WEIGHTS = {"green": 3, "blue": 2}
+"""How many times the fine-tune's cache view lists each clip of a colour (the others once). Green and blue
+stand out least from the background in the latents and their captions' features are the closest of the
+colour pairs; the DiT trained on the plain cache drew green shapes blue (benchmarks/RESULTS.md)."""
+FINE_TUNE = {
+    "runtime.seed": 1,
+    "train.video_sync_group": 1,
+    "train.max_steps": 2000,
+    "train.lr": 2e-4,
+    "train.min_lr": 1e-5,
+    "train.warmup_steps": 50,
+    "train.checkpoint_every": 1000,
+    "train.keep_last": 2,
+}
+"""The fine-tune's settings over the recipe's (one process, from the DiT of the from-scratch run)."""
 
 
 def _log(message: str) -> None:
@@ -222,6 +239,64 @@ def _train_dit_stage(
     )
 
 
+def weighted_cache_view(
+    cache: Path, annotations: Path, view: Path, weights: Mapping[str, int] = COLOUR_WEIGHTS
+) -> int:
+    """``view``: the latent cache ``cache`` with each clip's manifest row repeated ``weights[colour]`` times
+    (the colour from the clip's annotation; others once; copy ``n`` gets the id ``<id>-x<n>``) and its files hard-linked (copied where the file
+    system cannot link; a symbolic link would point outside the view, which the cache refuses). A sampler
+    then draws those clips that much more often. Returns the number of rows."""
+    colour = {row["id"]: row["color"] for row in map(json.loads, annotations.read_text().splitlines())}
+    shutil.rmtree(view, ignore_errors=True)
+    for item in cache.rglob("*"):
+        if item.is_file() and item.relative_to(cache) != Path("manifest.jsonl"):
+            target = view / item.relative_to(cache)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(item, target)
+            except OSError:
+                shutil.copy2(item, target)
+    rows = []
+    for line in (cache / "manifest.jsonl").read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        rows.append(line)
+        for n in range(2, weights.get(colour[row["id"]], 1) + 1):  # each copy an entry of its own
+            rows.append(json.dumps(row | {"id": f"{row['id']}-x{n}", "item_id": f"{row['item_id']}-x{n}"}))
+    (view / "manifest.jsonl").write_text("\n".join(rows) + "\n")
+    return len(rows)
+
+
+def _fine_tune_stage(
+    recipe_path: Path, stage: Path, dit: Path, cache: Path, annotations: Path, work: Path, fresh: bool
+) -> Path:
+    """Stage 5, second part: :data:`FINE_TUNE` from the DiT ``dit`` on :func:`weighted_cache_view`; returns the
+    fine-tuned DiT folder (resumed like the first part unless ``fresh``)."""
+    from pfctl.models.embedded import DEFAULT_VARIANT
+
+    start, view, out = work / "pretrained", work / "cache_weighted", work / "fine_tune"
+    if fresh:
+        shutil.rmtree(out, ignore_errors=True)
+    assemble(stage, dit, start, variant=DEFAULT_VARIANT, resolution=(64, 64), generate={}, training={})
+    rows = weighted_cache_view(cache, annotations, view)
+    sets = {
+        **FINE_TUNE,
+        "model.path": start,
+        "model.variant": DEFAULT_VARIANT,
+        "model.dit_preset": "null",
+        "model.dit_config": "{}",
+        "train.cache": view,
+        "train.output_dir": out,
+        "train.resume": "latest",
+    }
+    _log(f"[5/6] fine-tuning the DiT on {rows} rows ({COLOUR_WEIGHTS} times the clips of those colours)")
+    cli = [sys.executable, "-m", "pfctl", "train", "--recipe", str(recipe_path)]
+    cli += [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    _run(cli, {**os.environ, "OMP_NUM_THREADS": "1"})
+    return out / "export" / "transformer"
+
+
 def _training_record(
     recipe: Mapping[str, Any],
     num_clips: int,
@@ -245,6 +320,11 @@ def _training_record(
             "config": dict((recipe.get("model") or {}).get("dit_config") or {}),
             "train": train_section,
             "nproc": nproc,
+            "fine_tune": {
+                "settings": dict(FINE_TUNE),
+                "colour_weights": dict(COLOUR_WEIGHTS),
+                "nproc": 1,
+            },
         },
         "seconds": {k: round(v, 1) for k, v in seconds.items()},
         "machine": {
@@ -304,12 +384,15 @@ def build_default(
     train_dir = work / "train"
     _train_dit_stage(recipe_path, stage, cache, train_dir, dit_steps, nproc, fresh)
     seconds["dit"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    dit = _fine_tune_stage(recipe_path, stage, train_dir / "export" / "transformer", cache, annotations, work, fresh)
+    seconds["dit_fine_tune"] = time.perf_counter() - t0
 
     _log(f"[6/6] assembling {target}")
     training = _training_record(recipe, num_clips, vae_record, dit_steps, nproc, seconds)
     folder = assemble(
         stage,
-        train_dir / "export" / "transformer",
+        dit,
         target,
         variant=DEFAULT_VARIANT,
         resolution=(64, 64),
