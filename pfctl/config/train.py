@@ -211,7 +211,7 @@ class TrainConfig(Section):
     """Keep the newest K checkpoints; None = keep all."""
     checkpoint_async: bool | Literal["auto"] = "auto"
     """Write checkpoints in the background: the loop waits only for a copy of the state in host memory (about
-    the checkpoint's size in RAM), a thread per rank writes the files and the main process commits the folder
+    the checkpoint's size in RAM; a rank with less than twice that free writes at once), a thread per rank writes the files and the main process commits the folder
     once every rank is done (the log says ``saved checkpoint`` then). A run killed during the write resumes
     from the checkpoint before. ``auto`` (default): on CUDA; on the CPU checkpoints are written at once."""
     resume: str | None = None

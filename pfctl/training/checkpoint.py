@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from pfctl.errors import CheckpointError
+from pfctl.runtime import logging as pflog
 from pfctl.utils.io import atomic_save_safetensors, atomic_write_bytes, atomic_write_json
 
 FORMAT_VERSION = 1
@@ -279,6 +280,38 @@ def host_copy(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
+def tensor_bytes(value: Any) -> int:
+    """The bytes of every tensor in ``value`` (a payload, or any nesting of dicts, lists and tuples)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(v) for v in value)
+    if isinstance(value, CheckpointPayload):
+        return sum(tensor_bytes(getattr(value, f.name)) for f in dataclasses.fields(value) if f.name != "model")
+    return 0
+
+
+def available_host_bytes() -> int | None:
+    """The host memory available to new allocations (Linux ``MemAvailable``), or None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def copy_fits(nbytes: int) -> bool:
+    """Whether a host copy of ``nbytes`` of state leaves room for its serialisation (up to as much again, one
+    file at a time): twice ``nbytes`` available, or nothing known about the host."""
+    available = available_host_bytes()
+    return available is None or 2 * nbytes <= available
+
+
 class BackgroundSaver:
     """Checkpoints written while training goes on: :meth:`save` copies the payload into host memory (the only
     part the loop waits for) and a thread of each rank writes its files; the main process's thread then waits
@@ -305,12 +338,25 @@ class BackgroundSaver:
         self._error: BaseException | None = None
 
     def save(self, payload: CheckpointPayload) -> Path:
-        """Start writing ``payload`` (every rank calls it); returns the folder it will be committed to."""
+        """Start writing ``payload`` (every rank calls it); returns the folder it will be committed to.
+
+        A rank whose host has too little free memory for the copy (:func:`copy_fits`) writes its files at once
+        instead, and says so; the commit still follows the same markers, so the ranks need not agree."""
         self.wait()
         final, tmp = _prepare(self.root, payload.step, self.is_main, self.barrier)
-        snapshot = host_copy(payload)
+        need = tensor_bytes(payload)
+        if copy_fits(need):
+            payload, written = host_copy(payload), False
+        else:
+            pflog.log(
+                f"warning: {need / 2**30:.1f} GiB of checkpoint state do not fit twice in the host's free memory: "
+                f"writing {final.name} before training goes on",
+                all_ranks=True,
+            )
+            _write_files(tmp, payload, self.rank, self.is_main)
+            written = True
         self._thread = threading.Thread(
-            target=self._write, args=(snapshot, tmp, final), name=f"pfctl-{final.name}", daemon=False
+            target=self._write, args=(payload, tmp, final, written), name=f"pfctl-{final.name}", daemon=False
         )
         self._thread.start()
         return final
@@ -324,9 +370,10 @@ class BackgroundSaver:
             error, self._error = self._error, None
             raise CheckpointError(f"writing the checkpoint failed: {error}") from error
 
-    def _write(self, payload: CheckpointPayload, tmp: Path, final: Path) -> None:
+    def _write(self, payload: CheckpointPayload, tmp: Path, final: Path, written: bool) -> None:
         try:
-            _write_files(tmp, payload, self.rank, self.is_main)
+            if not written:
+                _write_files(tmp, payload, self.rank, self.is_main)
             atomic_write_bytes(tmp / "ranks" / f"rank-{self.rank:05d}.written", b"")
             if not self.is_main:
                 return

@@ -181,3 +181,30 @@ def test_background_saver_raises_a_failed_write_on_the_next_call(tmp_path: Path)
         saver.wait()
     assert ckpt.find_latest(tmp_path) is None
     saver.wait()  # reported once
+
+
+def test_background_saver_writes_at_once_when_the_host_copy_would_not_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Too little free host memory for the copy (twice the state's bytes): the rank's files are written before
+    ``save`` returns (the run's later in-place changes cannot reach them), it says so, and the commit follows."""
+    net, opt, gen = _trained(5)
+    payload = _payload(5, net, opt, gen)
+    need = ckpt.tensor_bytes(payload)
+    assert need == sum(v.numel() * v.element_size() for v in net.state_dict().values()) + sum(
+        t.numel() * t.element_size()
+        for entry in opt.state_dict()["state"].values()
+        for t in entry.values()
+        if isinstance(t, torch.Tensor)
+    ) + sum(t.numel() * t.element_size() for t in payload.rank_tensors.values())
+    monkeypatch.setattr(ckpt, "available_host_bytes", lambda: 2 * need - 1)
+    assert not ckpt.copy_fits(need)
+    expected = {k: v.clone() for k, v in net.state_dict().items()}
+    saver = ckpt.BackgroundSaver(tmp_path, rank=0, world_size=1, is_main=True, barrier=lambda: None)
+    path = saver.save(payload)
+    with torch.no_grad():
+        net.weight.add_(1.0)
+    saver.wait()
+    assert "do not fit twice in the host's free memory" in capsys.readouterr().out
+    loaded = ckpt.load_checkpoint(path, rank=0)
+    assert all(torch.equal(loaded.model_state[k], v) for k, v in expected.items())
