@@ -264,6 +264,11 @@ def columns_to_stages(sample_ratios: list[int]) -> list[int]:
     return [stage for stage, n in enumerate(sample_ratios) for _ in range(n)]
 
 
+def fsdp_skipped_on_cuda(train: TrainConfig, world_size: int) -> bool:
+    """``train.fsdp`` is set but shards nothing on CUDA: one process without host offload (skipped there)."""
+    return train.fsdp != "none" and world_size == 1 and not train.fsdp_cpu_offload
+
+
 def check_train_constraints(train: TrainConfig, world_size: int) -> SyncGroupPlan:
     """The layout rules of sync-group training, with the numbers in the message; returns the run's
     sync-group plan.
@@ -318,8 +323,8 @@ def check_train_constraints(train: TrainConfig, world_size: int) -> SyncGroupPla
                     "recomputes inside backward",
                 ),
                 (
-                    f"train.fsdp={train.fsdp}",  # (one process without offload shards nothing: skipped)
-                    train.fsdp != "none" and (world_size > 1 or train.fsdp_cpu_offload),
+                    f"train.fsdp={train.fsdp}",
+                    train.fsdp != "none" and not fsdp_skipped_on_cuda(train, world_size),
                     "gathers weights around every block",
                 ),
             )
@@ -369,7 +374,7 @@ def resolve_train_speed(
     cuda = device_type == "cuda"
     notes = []
     fsdp = train.fsdp
-    if fsdp != "none" and cuda and world_size == 1 and not train.fsdp_cpu_offload:
+    if cuda and fsdp_skipped_on_cuda(train, world_size):
         fsdp = "none"
         notes.append(f"train.fsdp={train.fsdp} with one process shards nothing: not applied")
     compiled = cuda and (train.compile is True or (train.compile == "auto" and no_compiler is None))
@@ -379,9 +384,7 @@ def resolve_train_speed(
         notes.append(f"eager blocks: torch.compile cannot generate code here ({no_compiler})")
     graphs = compiled and (
         train.cuda_graphs is True
-        or (
-            train.cuda_graphs == "auto" and not train.gradient_checkpointing and fsdp == "none"
-        )
+        or (train.cuda_graphs == "auto" and not train.gradient_checkpointing and fsdp == "none")
     )
     attention = train.attention
     if attention == "auto":
