@@ -287,6 +287,11 @@ def _draw_batch(
     return _to_unit(_augment(pool[idx], gen)).to(device)
 
 
+def _psnr(mse: float) -> float:
+    """PSNR in dB of a mean squared error over pixels in [-1, 1] (peak-to-peak 2; errors below 1e-12 count as 1e-12)."""
+    return 10 * math.log10(4.0 / max(mse, 1e-12))
+
+
 def _emit(
     record: dict[str, Any], log_lines: list[str], on_log: Callable[[dict[str, Any]], None] | None
 ) -> None:
@@ -329,7 +334,7 @@ def _train_loop(
         if (step + 1) % log_every == 0 or step + 1 == cfg.steps:
             n = (step % log_every) + 1
             record = {"step": step + 1, **{k: v / n for k, v in running.items()}}
-            record["psnr"] = 10 * math.log10(4.0 / max(record["mse"], 1e-12))
+            record["psnr"] = _psnr(record["mse"])
             record["lr"] = _lr_at(step, cfg)
             record["posterior_std"] = posterior.std.detach().mean().item()
             record["elapsed_s"] = round(time.perf_counter() - start, 1)
@@ -385,7 +390,7 @@ def _decoder_loop(
                 "phase": "decoder",
                 "step": cfg.steps + step + 1,
                 "mse": mse,
-                "psnr": 10 * math.log10(4.0 / max(mse, 1e-12)),
+                "psnr": _psnr(mse),
                 "lr": _decoder_lr_at(step, cfg),
                 "elapsed_s": round(time.perf_counter() - start, 1),
             }
@@ -528,7 +533,7 @@ def evaluate_vae(
     frames = ((recon.permute(0, 2, 3, 4, 1) + 1) * 127.5).round().to(torch.uint8).cpu().numpy()
     report = score_clips([(c.caption, f) for c, f in zip(planned, frames, strict=True)])
     return {
-        "psnr": 10 * math.log10(4.0 / max(mse, 1e-12)),
+        "psnr": _psnr(mse),
         "latent_mean": float(zn.mean()),
         "latent_std": float(zn.std()),
         "posterior_std": float(posterior.std.mean()),
