@@ -275,9 +275,13 @@ def host_copy(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(host_copy(v) for v in value)
     if isinstance(value, CheckpointPayload):
-        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.name != "model"}
-        return dataclasses.replace(value, **host_copy(fields))
+        return dataclasses.replace(value, **host_copy(_state_fields(value)))
     return copy.deepcopy(value)
+
+
+def _state_fields(payload: CheckpointPayload) -> dict[str, Any]:
+    """The payload's fields but the live module (kept for its config only)."""
+    return {f.name: getattr(payload, f.name) for f in dataclasses.fields(payload) if f.name != "model"}
 
 
 def tensor_bytes(value: Any) -> int:
@@ -289,7 +293,7 @@ def tensor_bytes(value: Any) -> int:
     if isinstance(value, (list, tuple)):
         return sum(tensor_bytes(v) for v in value)
     if isinstance(value, CheckpointPayload):
-        return sum(tensor_bytes(getattr(value, f.name)) for f in dataclasses.fields(value) if f.name != "model")
+        return tensor_bytes(_state_fields(value))
     return 0
 
 
