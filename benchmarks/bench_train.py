@@ -22,7 +22,8 @@ What it prints (per process, the slowest / the mean over processes):
   included) as before;
 * host fraction: the host's busy time of a step (until ``train_step`` returns, less the step's one wait
   for the GPU's numbers) over its synchronised time, and the part of it spent loading batches;
-* peak memory (CUDA: allocated; CPU: the process's peak RSS);
+* peak memory (CUDA: the largest allocation peak of a timed step, the trainer resetting it every step, and
+  that of the warm-up; CPU: the process's peak RSS);
 * time to steady state: from the first step's start to the end of the first step at which the median
   of the last 5 step times is within 10% of the final median (compilation and recording included);
 * the checkpoint: the time the loop waits for it (a host copy when written in the background, the CUDA
@@ -287,6 +288,7 @@ class Timings:
     load: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     analytic: list[float] = field(default_factory=list)
+    peak: list[float] = field(default_factory=list)  # CUDA: the step's peak allocation (the trainer's metric)
     syncs: int | None = None
     metrics: dict = field(default_factory=dict)
 
@@ -332,6 +334,7 @@ def run_steps(trainer: Any, setting: Setting, dims: dict) -> Timings:
             print(f"bench step {i + 1}: {out.step[-1]:.3f} s", flush=True)
         out.host.append(returned)
         out.wait.append(metrics["gpu_wait_s"])
+        out.peak.append(metrics.get("peak_memory_gib", 0.0))
         out.load.append(sum(load_s))
         out.tokens.append(sum(r["tokens"] for r in records))
         for rec in records:
@@ -414,10 +417,8 @@ def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tup
         from torch._dynamo.utils import compile_times
 
         print(compile_times(repr="str", aggregate=True))
-    if setting.cuda:
-        peak = torch.cuda.max_memory_allocated() / 2**30
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    if not setting.cuda:
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     device_name = torch.cuda.get_device_name() if setting.cuda else "cpu"
     world = trainer.runtime.world_size
     trainer.close()
@@ -428,8 +429,13 @@ def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tup
     load_max = across_processes(t.load, "max")
     tokens = across_processes([float(x) for x in t.tokens], "mean")
     analytic = across_processes(t.analytic, "mean")
-    peak = across_processes([peak], "max")[0]
     timed = range(setting.warmup, n)
+    if setting.cuda:  # the trainer resets the peak after every step: the maximum of the steps' peaks
+        peaks = across_processes(t.peak, "max")
+        warm = max(peaks[: setting.warmup], default=0.0)
+        peak = f"{max(peaks[i] for i in timed):.2f} GiB allocated ({warm:.2f} in the warm-up)"
+    else:
+        peak = f"{across_processes([rss], 'max')[0]:.2f} GiB RSS"
     step_s = statistics.median(step_max[i] for i in timed)
     seconds = sum(step_max[i] for i in timed)
     tok_s = sum(tokens[i] for i in timed) / seconds
@@ -468,7 +474,7 @@ def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tup
         ("host busy fraction of the step", f"{statistics.median(host_max[i] / step_max[i] for i in timed):.0%}"),
         ("batch loading / step (host)", f"{statistics.median(load_max[i] for i in timed) * 1e3:.1f} ms"),
         ("blocking host syncs / step", "n/a (counted on CUDA, in a warm-up step)" if t.syncs is None else str(t.syncs)),
-        ("peak memory", f"{peak:.2f} GiB " + ("allocated" if setting.cuda else "RSS")),
+        ("peak memory (timed steps)", peak),
         ("checkpoint save (not timed above)", "skipped (--no-checkpoint)" if args.no_checkpoint else f"{checkpoint_s:.2f} s in the loop, written after {written_s:.2f} s"),
         ("last loss", f"{t.metrics['loss']:.4f}"),
         ("step times (s, in order)", " ".join(f"{x:.2f}" for x in step_max)),

@@ -51,5 +51,5 @@ def test_recipe_runs_the_whole_trainer_on_the_cpu(tmp_path: Path) -> None:
     assert float(rows["image tokens/s per GPU"].replace(",", "")) > 0
     assert rows["with recomputation (+2·N_ckpt·tokens)"].startswith("n/a (")  # counted (no peak rate on CPU)
     assert rows["time to steady state"].endswith("within 10%)")
-    assert "GiB RSS" in rows["peak memory"] and rows["checkpoint save (not timed above)"].endswith(" s")
+    assert "GiB RSS" in rows["peak memory (timed steps)"] and rows["checkpoint save (not timed above)"].endswith(" s")
     assert "steady step time (median)" in proc.stdout
