@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite in one call (2x H200: single-GPU benchmarks on GPU 0, then the
 # 2-process sync-group run and the FSDP tests on both). Results: $OUT (or ./bench-out).
-# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,refgen768,gen768,gen768skip,gen768prof,attention,traingraphs,rowgroups,lowmem,fp8,refgen1,recipe384,graphtests,recipe768,warmupasserts,recipe768attn,composetest]
+# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,refgen768,gen768,gen768skip,gen768prof,attention,traingraphs,rowgroups,lowmem,fp8,refgen1,recipe384,graphtests,recipe768,warmupasserts,recipe768attn,composetest,recipe384warm]
 # (LAYOUTS=channels_last_unfused,channels_last picks the VAE layouts the vae steps time)
 # (TRAIN_VARIANTS=efficient,efficient+compile+skip picks the pfctl variants the trainvariants step times)
 # (reference: needs a Pyramid-Flow checkout in third_party/Pyramid-Flow and einops; not in the default list)
@@ -140,4 +140,12 @@ esac
 case ",$STEPS," in *,composetest,*)
   echo "=== CUDA test: activation checkpointing + compiled blocks + FSDP2 against eager (GPU $GPU; up to ~8 min)"
   CUDA_VISIBLE_DEVICES=$GPU python -m pytest -q -p no:cacheprovider tests/unit/test_dit.py -k compose_on_cuda 2>&1 | tee -a "$OUT/suite.log" | tail -12;;
+esac
+case ",$STEPS," in *,recipe384warm,*)
+  # the 384p recipe twice on one machine: the second run finds Inductor's, AOTAutograd's and Triton's caches
+  # (under /tmp) warm from the first, as a user's next run or a resumed one does (~7 min)
+  for run in cold warm; do
+    echo "=== the 384p recipe on one GPU, $run compile caches (GPU $GPU)"
+    CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --warmup 16 --steps 4 --progress --no-checkpoint --compile-times --json "$OUT/recipe384_$run.json" 2>&1 | tee -a "$OUT/suite.log" | grep -E "^(bench step|warm-up|steady|time to|first|image tokens/s|MFU|peak|_compile.compile_inner|bytecode_tracing|aot_trace|Scheduler.codegen|CUDAGraphNode)" | tail -40
+  done;;
 esac
