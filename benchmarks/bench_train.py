@@ -21,7 +21,9 @@ What it prints (per process, the slowest / the mean over processes):
   as a hardware utilisation beside the MFU; the analytic model FLOPs (attention and text tokens
   included) as before;
 * host fraction: the host's busy time of a step (until ``train_step`` returns, less the step's one wait
-  for the GPU's numbers) over its synchronised time, and the part of it spent loading batches;
+  for the GPU's numbers) over its synchronised time, and the part of it spent loading batches. A host that
+  launches faster than the GPU runs also waits inside launches once CUDA's queue is full, so a high fraction
+  alone does not make a step host-bound: ``--profile`` prints the GPU's busy time in one profiled step;
 * peak memory (CUDA: the largest allocation peak of a timed step, the trainer resetting it every step, and
   that of the warm-up; CPU: the process's peak RSS);
 * time to steady state: from the first step's start to the end of the first step at which the median
@@ -382,11 +384,29 @@ def profile_step(trainer: Any, cuda: bool) -> None:
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
+        tic = time.perf_counter()
         trainer.train_step()
         if cuda:
             torch.cuda.synchronize()
+        wall_s = time.perf_counter() - tic
     key = "cuda_time_total" if cuda else "cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+    if cuda:  # under the profiler the host is slower: a low figure may be the profiler's own cost
+        busy_s = gpu_busy_seconds(prof.events())
+        print(f"profiled step: {wall_s:.3f} s, the GPU busy {busy_s:.3f} s of it ({busy_s / wall_s:.0%})")
+
+
+def gpu_busy_seconds(events: Any) -> float:
+    """Seconds in which at least one GPU kernel or copy ran: the union of the device events' intervals."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    busy_us, reached = 0.0, float("-inf")
+    for start, end in spans:
+        if end > reached:
+            busy_us += end - max(start, reached)
+            reached = end
+    return busy_us / 1e6
 
 
 def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tuple[str, str]]:

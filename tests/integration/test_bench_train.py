@@ -32,6 +32,21 @@ def test_time_to_steady_is_the_first_step_whose_rolling_median_is_near_the_final
     assert bench.time_to_steady([5.0, 4.0, 3.0, 2.0, 1.0, 1.0]) == (6, pytest.approx(16.0))
 
 
+def test_gpu_busy_time_counts_overlapping_and_nested_device_events_once() -> None:
+    """The profiled step's GPU busy time is the union of the device events' intervals (microseconds): two
+    streams' overlapping kernels and a copy inside a kernel's span count once; host events not at all."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(start: float, end: float, device: DeviceType = DeviceType.CUDA) -> SimpleNamespace:
+        return SimpleNamespace(time_range=SimpleNamespace(start=start, end=end), device_type=device)
+
+    events = [event(0, 100), event(50, 150), event(60, 70), event(300, 400), event(0, 1000, DeviceType.CPU)]
+    assert _bench().gpu_busy_seconds(events) == pytest.approx(250e-6)
+    assert _bench().gpu_busy_seconds([]) == 0.0
+
+
 @pytest.mark.slow
 def test_recipe_runs_the_whole_trainer_on_the_cpu(tmp_path: Path) -> None:
     """The 768p recipe (FSDP shard_grad_op, checkpointing 75%, 2 micro-steps) on a tiny DiT: every figure."""
