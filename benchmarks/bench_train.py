@@ -392,21 +392,10 @@ def profile_step(trainer: Any, cuda: bool) -> None:
     key = "cuda_time_total" if cuda else "cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
     if cuda:  # under the profiler the host is slower: a low figure may be the profiler's own cost
+        from kernel_profile import gpu_busy_seconds
+
         busy_s = gpu_busy_seconds(prof.events())
         print(f"profiled step: {wall_s:.3f} s, the GPU busy {busy_s:.3f} s of it ({busy_s / wall_s:.0%})")
-
-
-def gpu_busy_seconds(events: Any) -> float:
-    """Seconds in which at least one GPU kernel or copy ran: the union of the device events' intervals."""
-    from torch.autograd import DeviceType
-
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
-    busy_us, reached = 0.0, float("-inf")
-    for start, end in spans:
-        if end > reached:
-            busy_us += end - max(start, reached)
-            reached = end
-    return busy_us / 1e6
 
 
 def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tuple[str, str]]:

@@ -7,7 +7,7 @@ kernels' intervals, and the costliest kernels are listed by name.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -53,17 +53,10 @@ def kernel_breakdown(fn: Callable[[], object], repeats: int = 2, top: int = 0) -
         entry = by_name.setdefault(e.name, [kind, 0.0, 0])
         entry[1] += ms
         entry[2] += 1
-    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
-    busy, (start, end) = 0.0, spans[0]
-    for s, e in spans[1:]:
-        if s > end:
-            busy, start = busy + end - start, s
-        end = max(end, e)
-    busy += end - start
     costliest = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
     return {
         "wall_ms": 1e3 * wall / repeats,
-        "gpu_busy_ms": busy / 1e3 / repeats,
+        "gpu_busy_ms": 1e3 * gpu_busy_seconds(kernels) / repeats,
         "kernels_per_call": len(kernels) / repeats,
         "kernel_ms_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
         "top_kernels": [
@@ -71,6 +64,20 @@ def kernel_breakdown(fn: Callable[[], object], repeats: int = 2, top: int = 0) -
             for name, (kind, ms, n) in costliest
         ],
     }
+
+
+def gpu_busy_seconds(events: Iterable) -> float:
+    """Seconds in which at least one GPU kernel or copy ran: the union of the profiler's device events'
+    intervals (overlapping streams and nested events count once; host events not at all)."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end) for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    busy_us, reached = 0.0, float("-inf")
+    for start, end in spans:
+        if end > reached:
+            busy_us += end - max(start, reached)
+            reached = end
+    return busy_us / 1e6
 
 
 def print_breakdown(label: str, profile: dict) -> None:
