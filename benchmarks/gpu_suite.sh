@@ -112,7 +112,7 @@ case ",$STEPS," in *,refgen1,*)
   CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py generate --device cuda --repeats 2 --reference-repeats 1 --reference third_party/Pyramid-Flow --json "$OUT/refgen1.json" 2>&1 | tee -a "$OUT/suite.log" | tail -10;;
 esac
 case ",$STEPS," in *,recipe384,*)
-  # one rank builds all 16 inputs: compilation ~215 s, then each input once unrecorded and once recorded (~300 s to steady)
+  # one rank builds all 16 inputs: compilation ~160-215 s, then each input once unrecorded and once recorded (~255-310 s to steady)
   echo "=== pfctl train, the 384p recipe as shipped, beside the reference's step (GPU $GPU; ~8 min)"
   CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --reference third_party/Pyramid-Flow --warmup 18 --steps 10 --progress --compile-times --json "$OUT/recipe384.json" 2>&1 | tee -a "$OUT/suite.log" | tail -40;;
 esac
