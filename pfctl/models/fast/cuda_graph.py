@@ -9,8 +9,9 @@ A CUDA graph records the launches once and replays them with one call.
 CUDA graphs need, and a real result); the second call captures the forward into a graph over static input
 buffers; from then on every call copies its inputs into those buffers and replays. The kernels and their
 order are the same as eager execution, so the result is the same. A signature change (shapes, dtypes)
-starts over (or, with ``keep``, finds the graph it captured before); a capture that fails falls back to
-eager calls from then on.
+starts over (or, with ``keep``, finds the graph it captured before). Once one graph has been captured, the
+libraries' lazy set-up is done, so the first call of a new signature captures at once and replays (no eager
+call: a video's ~50 stage shapes each paid one); a capture that fails falls back to eager calls from then on.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class _Captured:
 
 
 class StageGraph:
-    """Calls ``fn(**kwargs)`` eagerly once, then as a replayed CUDA graph while the input signature holds.
+    """Calls ``fn(**kwargs)`` as a replayed CUDA graph while the input signature holds: eagerly once first,
+    until one signature has been captured; a later new signature is captured at its first call.
 
     Only for CUDA inputs and a ``fn`` whose work depends on nothing but its tensor inputs (no host
     synchronisation, no randomness, parameters left in place): the sampler's DiT in inference mode.
@@ -101,17 +103,22 @@ class StageGraph:
             return self.fn(**kwargs)
         key = signature(leaves, spec)
         entry = self._graphs.get(key)
-        if entry is None:  # first call of this signature: eager warm-up on a side stream
+        if entry is None:  # first call of this signature
             if not self.keep:
                 self.release()
             device = next((t.device for t in leaves if t.is_cuda), None)
             if device is None:  # nothing on a GPU: nothing to capture
                 self._disabled = True
                 return self.fn(**kwargs)
-            self._graphs[key] = _Captured(device)
+            self._graphs[key] = entry = _Captured(device)
+            if not self._warmed(device):  # eager warm-up on the side stream
+                with torch.cuda.device(device):
+                    return self._on_side_stream(device, lambda: self.fn(**kwargs))
+            # the libraries were warmed up by an earlier signature on this stream: capture at once
             with torch.cuda.device(device):
-                return self._on_side_stream(device, lambda: self.fn(**kwargs))
-        if entry.graph is None:
+                if not self._capture(entry, leaves, spec, fallback=True):
+                    return self._on_side_stream(device, lambda: self.fn(**kwargs))
+        elif entry.graph is None:
             with torch.cuda.device(entry.device):
                 captured = self._capture(entry, leaves, spec)
             if not captured:
@@ -136,7 +143,16 @@ class StageGraph:
         torch.cuda.current_stream().wait_stream(self._stream)
         return result
 
-    def _capture(self, entry: _Captured, leaves: list[torch.Tensor], spec: Any) -> bool:
+    def _warmed(self, device: torch.device) -> bool:
+        """Whether a graph was captured on this object's side stream on ``device``: the lazy set-up a first
+        call does (library handles, workspaces) is then done, and a new signature needs no eager warm-up."""
+        return self.captures > 0 and self._stream is not None and self._stream.device == device
+
+    def _capture(
+        self, entry: _Captured, leaves: list[torch.Tensor], spec: Any, *, fallback: bool = False
+    ) -> bool:
+        """Capture ``entry``'s graph. A capture that fails disables the graphs, or, with ``fallback`` (a
+        signature captured without its own warm-up), leaves this signature to an eager warm-up first."""
         entry.inputs = [t.detach().clone() for t in leaves]
         if self.keep and self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -145,6 +161,10 @@ class StageGraph:
             with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
                 out = self.fn(**unflatten_tensors(spec, entry.inputs))
         except RuntimeError as err:  # an op that cannot be captured: run eagerly from now on
+            if fallback:
+                logger.info("CUDA graph capture without a warm-up failed (%s); warming up first", err)
+                entry.inputs = []
+                return False
             logger.warning("CUDA graph capture failed (%s); running the DiT eagerly", err)
             self.release()
             self._disabled = True
