@@ -378,6 +378,36 @@ def test_compiled_blocks_trace_each_block_kind_once(kind: str) -> None:
     assert len(traced) == len(kinds) + 1
 
 
+def test_checkpointed_sharded_compiled_blocks_trace_each_block_kind_once() -> None:
+    """torchtitan's stack (checkpointing, compile, FSDP2 on a one-process group): each block kind is traced
+    once over a forward and backward, as without the other two. FSDP2's gradient hook hands the blocks views
+    in the forward but not in the checkpointed recomputation; compiled around the module call, the blocks
+    were traced again in the middle of the backward (on a GPU: a second Inductor compilation per kind)."""
+    from pfctl.models.fast import FastPaths, apply_fast_paths
+    from pfctl.runtime.sharding import shard_model
+
+    traced: list[str] = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        traced.append(gm.code)
+        return gm.forward
+
+    model = build("flux", num_layers=2, num_single_layers=2).train()
+    torch._dynamo.reset()
+    paths = FastPaths(
+        PLAIN, checkpointing_ratio=0.5, compile=True, compile_backend=counting, independent_sizes=True
+    )
+    apply_fast_paths(model, paths)
+    blocks = [b for _, b in model.blocks_in_order()]
+    shard_model(model, blocks, strategy="shard_grad_op", device=torch.device("cpu"))  # the 768p recipe's
+    try:
+        sum(o.square().mean() for o in model(**inputs())).backward()
+    finally:
+        torch._dynamo.reset()
+    kinds = {type(block).__name__ for _, block in model.blocks_in_order()}
+    assert len(traced) == len(kinds) + 1
+
+
 def test_checkpointing_applies_only_in_training_with_gradients() -> None:
     """Checkpointed blocks recompute in the backward of a training forward, never in eval or no-grad calls;
     the plain model (no speed layer) never recomputes."""

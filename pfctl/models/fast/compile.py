@@ -7,19 +7,24 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["OwnInputs", "compile_blocks", "compiler_missing"]
+__all__ = ["CompiledForward", "compile_blocks", "compiler_missing"]
 
 
-class OwnInputs:
-    """Mixin of a compiled block: a tensor argument that is a view (the first block's text stream, a view of
-    the embedder's 3-D product) is copied into a tensor of its own before the compiled call. Dynamo guards
-    a view input on its base's sizes, so a block that gets a view in one call and a plain tensor in the next
-    (the first block and the rest) was compiled twice, forward and backward."""
+class CompiledForward:
+    """Mixin of a compiled block: ``forward`` runs the block's own forward compiled (``_compiled_forward``),
+    so the module call around it (its hooks: FSDP2's gathers and gradient hooks, activation checkpointing)
+    stays eager, as torchtitan compiles inside ``fully_shard``. A tensor argument that is a view is copied
+    into a tensor of its own first: Dynamo guards a view on its base, and the blocks get views in some calls
+    and not in others (the first block's text stream, a slice of the embedder's product; FSDP2's gradient
+    hook makes every input a view in the forward but not in the checkpointed recomputation), which compiled
+    each block again, forward and backward, the recompilation in the middle of the backward."""
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    _compiled_forward: Any
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         args = tuple(_own(a) for a in args)
         kwargs = {k: _own(v) for k, v in kwargs.items()}
-        return super().__call__(*args, **kwargs)
+        return self._compiled_forward(*args, **kwargs)
 
 
 def _own(value: Any) -> Any:
@@ -66,8 +71,11 @@ def compile_blocks(
 
     mode = "reduce-overhead" if cuda_graphs else None
     for block in blocks:
-        swap_class(block, OwnInputs)
-        block.compile(dynamic=dynamic, backend=backend, mode=mode)
+        if isinstance(block, CompiledForward):
+            continue
+        own_forward = block.forward  # the model's forward, bound to this block
+        swap_class(block, CompiledForward)
+        block._compiled_forward = torch.compile(own_forward, dynamic=dynamic, backend=backend, mode=mode)
 
 
 def compiler_missing() -> str | None:
