@@ -353,36 +353,17 @@ def test_compiled_blocks_train_like_eager_blocks() -> None:
         assert_rounding_close(results[1][1][name], grad, **SUMS, msg=name)
 
 
-@pytest.mark.parametrize("kind", MODELS)
-def test_compiled_blocks_trace_each_block_kind_once(kind: str) -> None:
+@pytest.mark.parametrize(
+    ("kind", "stack"), [("flux", "compile"), ("mmdit", "compile"), ("flux", "torchtitan")]
+)
+def test_compiled_blocks_trace_each_block_kind_once(kind: str, stack: str) -> None:
     """Over a training forward and backward Dynamo traces each kind of block once, and the last block once
     more (Flux's computes only the clips' rows, the MMDiT's has no text output): the first block, whose text
     input is a view of the embedder's product, no longer traces its kind a second time (a second Inductor
-    compilation of its forward and backward on a GPU)."""
-    from pfctl.models.fast import FastPaths, apply_fast_paths
-
-    traced: list[str] = []
-
-    def counting(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        traced.append(gm.code)
-        return gm.forward
-
-    model = build(kind, num_layers=2, **({"num_single_layers": 2} if kind == "flux" else {})).train()
-    torch._dynamo.reset()
-    apply_fast_paths(model, FastPaths(PLAIN, compile=True, compile_backend=counting, independent_sizes=True))
-    try:
-        sum(o.square().mean() for o in model(**inputs())).backward()
-    finally:
-        torch._dynamo.reset()
-    kinds = {type(block).__name__ for _, block in model.blocks_in_order()}
-    assert len(traced) == len(kinds) + 1
-
-
-def test_checkpointed_sharded_compiled_blocks_trace_each_block_kind_once() -> None:
-    """torchtitan's stack (checkpointing, compile, FSDP2 on a one-process group): each block kind is traced
-    once over a forward and backward, as without the other two. FSDP2's gradient hook hands the blocks views
-    in the forward but not in the checkpointed recomputation; compiled around the module call, the blocks
-    were traced again in the middle of the backward (on a GPU: a second Inductor compilation per kind)."""
+    compilation of its forward and backward on a GPU). The same with torchtitan's stack (checkpointing,
+    compile, FSDP2 on a one-process group): FSDP2's gradient hook hands the blocks views in the forward but
+    not in the checkpointed recomputation, and blocks compiled around the module call were traced again in
+    the middle of the backward."""
     from pfctl.models.fast import FastPaths, apply_fast_paths
     from pfctl.runtime.sharding import shard_model
 
@@ -392,14 +373,20 @@ def test_checkpointed_sharded_compiled_blocks_trace_each_block_kind_once() -> No
         traced.append(gm.code)
         return gm.forward
 
-    model = build("flux", num_layers=2, num_single_layers=2).train()
+    model = build(kind, num_layers=2, **({"num_single_layers": 2} if kind == "flux" else {})).train()
     torch._dynamo.reset()
+    ratio = 0.5 if stack == "torchtitan" else 0.0
     paths = FastPaths(
-        PLAIN, checkpointing_ratio=0.5, compile=True, compile_backend=counting, independent_sizes=True
+        PLAIN, checkpointing_ratio=ratio, compile=True, compile_backend=counting, independent_sizes=True
     )
     apply_fast_paths(model, paths)
-    blocks = [b for _, b in model.blocks_in_order()]
-    shard_model(model, blocks, strategy="shard_grad_op", device=torch.device("cpu"))  # the 768p recipe's
+    if stack == "torchtitan":  # the 768p recipe's sharding
+        shard_model(
+            model,
+            [b for _, b in model.blocks_in_order()],
+            strategy="shard_grad_op",
+            device=torch.device("cpu"),
+        )
     try:
         sum(o.square().mean() for o in model(**inputs())).backward()
     finally:
