@@ -480,7 +480,9 @@ class ReferenceTraining:
     its ``trainer_misc``), fp32 master weights with bf16 autocast on CUDA, gradient clipping at 1.0, on random
     latents of ``batch`` clips x ``frames`` x ``latent_hw``; rank 0 of a sync group of ``group``. With a
     ``checkpointing_ratio`` its DiT recomputes that share of its blocks (the reference's own
-    ``gradient_checkpointing_ratio``)."""
+    ``gradient_checkpointing_ratio``). A step is ``micro_batches`` forward and backward passes before the
+    optimizer's (its training loop's gradient accumulation: the gradients of the first ones are held while the
+    next ones run, and each micro-batch reads its loss on the host)."""
 
     def __init__(
         self,
@@ -494,8 +496,10 @@ class ReferenceTraining:
         group: int,
         batch: int,
         checkpointing_ratio: float | None = None,
+        micro_batches: int = 1,
     ) -> None:
         self.device = device
+        self.micro_batches = micro_batches
         positive, negative = text.encode([PROMPT] * batch), text.encode([""])
         self.positive = positive
         gen = torch.Generator().manual_seed(0)
@@ -546,15 +550,19 @@ class ReferenceTraining:
             "prompt_attention_mask": self.positive.prompt_attention_mask.clone(),
             "pooled_prompt_embeds": self.positive.pooled_prompt_embeds.clone(),
         }
-        with autocast(self.device):
-            loss, _ = self.ref(
-                self.latents.clone(), batch_text, identifier=["video"], accelerator=accelerator
-            )
-        loss.backward()
+        losses = []
+        for _ in range(self.micro_batches):
+            with autocast(self.device):
+                loss, _ = self.ref(
+                    self.latents.clone(), {k: v.clone() for k, v in batch_text.items()}, identifier=["video"],
+                    accelerator=accelerator,
+                )  # fmt: skip
+            losses.append(float(loss.detach()))
+            (loss / self.micro_batches).backward()
         torch.nn.utils.clip_grad_norm_(self.ref.dit.parameters(), 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        return sum(losses) / len(losses)
 
     def run(self, steps: int) -> list[tuple]:
         """``steps`` timed steps: (loss, seconds, peak GiB) each."""
