@@ -99,7 +99,9 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # one compiled variant for every shape: Triton would otherwise compile another one for each new
+    # combination of the sizes' divisibility by 16 (the pyramid's token counts change every stage)
+    @triton.jit(do_not_specialize=["rows", "heads", "seq"])
     def rms_norm_rope_kernel(x_ptr, w_ptr, a_ptr, b_ptr, out_ptr, rows, heads, seq, eps, HD: tl.constexpr,
                              ROWS: tl.constexpr):  # fmt: skip
         # rows are (item, token, head) in x's order; each holds HD channels, HD/2 pairs (x0, x1)
@@ -136,13 +138,14 @@ class FusedQKRope:
 
 def kernel_works() -> str | None:
     """Compile and run the kernel once on a tiny CUDA input: None when it works, else why not (no CUDA, no
-    Triton, or the error compiling it; decided once, when the fast paths are applied)."""
+    Triton, or the error compiling it; decided once, when the fast paths are applied). The input has the
+    Pyramid Flow DiTs' head size (64) in bf16, so the variant compiled here is the one sampling uses."""
     if not torch.cuda.is_available():
         return "no CUDA device"
     try:
-        x = torch.randn(1, 2, 2, 8, device="cuda", dtype=torch.bfloat16)
-        table = rotary_table(*rope_tables(torch.zeros(2, 1, device="cuda"), [8]))
-        rms_norm_rope(x, torch.ones(8, device="cuda", dtype=torch.bfloat16), table.a, table.b, 1e-6)
+        x = torch.randn(1, 2, 2, 64, device="cuda", dtype=torch.bfloat16)
+        table = rotary_table(*rope_tables(torch.zeros(2, 1, device="cuda"), [64]))
+        rms_norm_rope(x, torch.ones(64, device="cuda", dtype=torch.bfloat16), table.a, table.b, 1e-6)
         torch.cuda.synchronize()
     except torch.OutOfMemoryError:
         raise
