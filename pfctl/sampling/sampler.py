@@ -370,7 +370,7 @@ def generate_latents(
             it becomes unit 0 and units 1..temp-1 are generated.
         graphs: with ``settings.cuda_graphs``, a :class:`pfctl.models.fast.cuda_graph.StageGraph` (``keep=True``) the caller holds across
             calls: each stage replays the graph an earlier video of the same size captured (the caller
-            releases it). Without it, each stage captures its own graph and releases it.
+            releases it). Without it, each stage captures its own graph and releases it after the stage.
         on_dit_call: receives a dict (unit, stage, step, sample, timestep, output, guided, sigma,
             sigma_next) after every DiT call; for debugging and parity localisation.
     """
@@ -381,8 +381,12 @@ def generate_latents(
     if device is None:
         device = text.positive.device
     cuda_graphs = settings.cuda_graphs and torch.device(device).type == "cuda"
-    if cuda_graphs:  # the speed layer is imported only when it is used
+    stage_graph = graphs
+    if cuda_graphs and graphs is None:  # the speed layer is imported only when it is used
         from pfctl.models.fast.cuda_graph import StageGraph
+
+        # one for the whole video, released after each stage: only the first stage warms up eagerly
+        stage_graph = StageGraph(dit)
     shape = (text.batch_size, latent_channels, int(temp), int(height), int(width))
 
     low_noise = _low_noise(initial_noise, shape, generator, device, dtype, plan.num_stages)
@@ -400,13 +404,12 @@ def generate_latents(
             if stage > 0:
                 x = upsample_nearest2(x)
                 x = scheduler.renoise(x, stage, next_block_noise(tuple(x.shape)))
-            call_dit = (graphs if graphs is not None else StageGraph(dit)) if cuda_graphs else dit
             x = _run_stage(
-                call_dit, x, history[stage], schedule, inputs,
+                stage_graph if cuda_graphs else dit, x, history[stage], schedule, inputs,
                 unit=unit, stage=stage, scale=plan.scales[unit], scheduler=scheduler, device=device,
             )  # fmt: skip
             if cuda_graphs and graphs is None:
-                call_dit.release()
+                stage_graph.release()
         generated.append(x)
 
     return torch.cat(generated, dim=2)
