@@ -23,6 +23,7 @@ batch stacks into one ``(B, C, T, H, W)`` tensor. One-frame clips are images.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -309,6 +310,14 @@ class LatentClipLoader:
             return None
 
     def next_batch(self, step: int) -> TrainBatch:
+        """The batch of ``step``: :meth:`draw`, then the assembly it returns."""
+        return self.draw(step)()
+
+    def draw(self, step: int) -> Callable[[], TrainBatch]:
+        """Choose and read the clips of ``step``: the sampler's draw, the cache reads and the sync group's
+        agreement on failed reads, in the same order on every rank. Returns the batch's assembly from them
+        (posterior samples, normalisation, text stacking): tensor work only, with no collective, so it may run
+        on another thread (:class:`pfctl.training.data.BatchFeed`)."""
         loaded: dict[str, dict[str, torch.Tensor] | None] = {}
 
         def try_load(ids: list[str]) -> list[bool]:
@@ -318,8 +327,13 @@ class LatentClipLoader:
             return self.agree([loaded[cid] is not None for cid in ids])
 
         batch = resolve_batch(self.sampler, step, try_load, self.caption_dropout)
-        frames = batch.choice.bucket[0]
         generator = self.sampler.posterior_generator(step)
+        return functools.partial(self._assemble, step, batch, loaded, generator)
+
+    def _assemble(
+        self, step: int, batch: ResolvedBatch, loaded: dict[str, Any], generator: torch.Generator
+    ) -> TrainBatch:
+        frames = batch.choice.bucket[0]
         first = loaded[batch.ids[0]]
         shape = stored_latent(first).shape  # type: ignore[arg-type]
         latents = torch.empty((len(batch.ids), shape[0], frames, *shape[2:]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,7 +114,7 @@ def group_agreement(sync: Any, device: torch.device) -> Callable[[list[bool]], l
     """The loader's ``agree``: OR-reduce load failures over the sync group so every rank replaces the
     same slots.
 
-    On a GPU the collective waits for the kernels queued before it (during a prefetch: the backward);
+    On a GPU the collective waits for the kernels queued before it (during a prefetch: the step so far);
     a group of one rank agrees with itself, so it skips the collective."""
 
     def agree(ok: list[bool]) -> list[bool]:
@@ -163,11 +164,12 @@ def build_data(
 
 @dataclass
 class _Prefetched:
-    """A micro-step's batch loaded ahead (:meth:`BatchFeed.prefetch`): the batch, or the data error that
-    loading it raised, and the sampler state before it was drawn (what a checkpoint records meanwhile)."""
+    """A micro-step's batch loaded ahead (:meth:`BatchFeed.prefetch`): its assembly under way on the feed's
+    thread, or the data error that drawing it raised, and the sampler state before it was drawn (what a
+    checkpoint records meanwhile)."""
 
     position: dict[str, Any]
-    batch: TrainBatch | None = None
+    batch: Future[TrainBatch] | None = None
     error: CacheError | None = None
 
 
@@ -177,6 +179,7 @@ class BatchFeed:
     def __init__(self, data: TrainData, device: torch.device, *, skip_future_keys: bool) -> None:
         self.data, self.device, self.skip_future_keys = data, device, skip_future_keys
         self.ahead: _Prefetched | None = None  # the batch of the next micro-step, loaded ahead
+        self._thread: ThreadPoolExecutor | None = None  # assembles prefetched batches
 
     def next_batch(self, micro_step: int) -> TrainBatch:
         """The batch of ``micro_step`` on the device: the prefetched one, else loaded now."""
@@ -185,48 +188,59 @@ class BatchFeed:
             return self.to_device(self.data.loader.next_batch(micro_step))
         if ahead.error is not None:
             raise ahead.error
-        return ahead.batch
+        return self.to_device(ahead.batch.result())  # a CacheError of the assembly is raised here
 
     def prefetch(self, micro_step: int) -> None:
-        """Load the batch of ``micro_step`` now and queue its copy to the device.
+        """Draw the batch of ``micro_step`` now and assemble it on the feed's thread.
 
-        Called right after a backward is launched, before anything waits for the GPU. It runs on the
-        main thread, in the same order on every rank, because the loader may all-reduce load failures
-        over the sync group. The data position before the draw is kept: until the batch is used, a
-        checkpoint records that position, so a resumed run draws the same batch again. A data error
-        (:class:`CacheError`) is raised by the micro-step that uses the batch, as without prefetching
-        (the step before still completes and checkpoints); anything else, e.g. a failed collective, at once.
+        Called before a micro-step is launched, for the next one. The draw (the sampler, the cache reads, the sync group's
+        agreement on failed reads) runs on the main thread, in the same order on every rank, because the
+        loader may all-reduce load failures over the group. The assembly (posterior samples, normalisation,
+        text stacking, pinning: tensor work that releases the GIL) runs on one thread of its own while the
+        main thread launches the micro-step; the micro-step that uses the batch waits for it. The
+        data position before the draw is kept: until the batch is used, a checkpoint records that position,
+        so a resumed run draws the same batch again. A data error (:class:`CacheError`) is raised by the
+        micro-step that uses the batch, as without prefetching (the step before still completes and
+        checkpoints); anything else in the draw, e.g. a failed collective, at once.
         """
         position = self.data.sampler.state_dict()
         try:
-            batch = self.data.loader.next_batch(micro_step)
+            assemble = self.data.loader.draw(micro_step)
         except CacheError as exc:
             self.ahead = _Prefetched(position, error=exc)
             return
-        self.ahead = _Prefetched(position, batch=self.to_device(batch))
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pfctl-batch")
+        self.ahead = _Prefetched(position, batch=self._thread.submit(lambda: self.pinned(assemble())))
 
     def position(self) -> dict[str, Any]:
         """The sampler state a checkpoint records: before the prefetched batch, if one is waiting."""
         return self.ahead.position if self.ahead is not None else self.data.sampler.state_dict()
 
+    def pinned(self, batch: TrainBatch) -> TrainBatch:
+        """The batch with its tensors in pinned host memory when the device is a GPU (else as it is)."""
+        if self.device.type != "cuda":
+            return batch
+        return self._map_tensors(batch, torch.Tensor.pin_memory)
+
     def to_device(self, batch: TrainBatch) -> TrainBatch:
         """The batch with its tensors on the training device.
 
         On a GPU the copies are queued from pinned memory without blocking: a copy from pageable memory
-        first waits for every kernel already queued (during a prefetch: the whole backward).
+        first waits for every kernel already queued.
         """
         device = self.device
         pinned = device.type == "cuda"
-
-        def move(t: torch.Tensor) -> torch.Tensor:
-            return (t.pin_memory() if pinned else t).to(device, non_blocking=pinned)
-
         lengths = right_padded_lengths(batch.prompt_attention_mask) if self.skip_future_keys else None
+        batch = dataclasses.replace(batch, text_lengths=lengths)  # before the copy: no wait for the GPU
+        return self._map_tensors(self.pinned(batch), lambda t: t.to(device, non_blocking=pinned))
+
+    @staticmethod
+    def _map_tensors(batch: TrainBatch, fn: Callable[[torch.Tensor], torch.Tensor]) -> TrainBatch:
         return dataclasses.replace(
             batch,
-            text_lengths=lengths,  # before the copy: no wait for the GPU
-            latents=move(batch.latents),
-            prompt_embeds=move(batch.prompt_embeds),
-            prompt_attention_mask=move(batch.prompt_attention_mask),
-            pooled_prompt_embeds=move(batch.pooled_prompt_embeds),
+            latents=fn(batch.latents),
+            prompt_embeds=fn(batch.prompt_embeds),
+            prompt_attention_mask=fn(batch.prompt_attention_mask),
+            pooled_prompt_embeds=fn(batch.pooled_prompt_embeds),
         )

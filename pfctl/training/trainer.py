@@ -170,9 +170,9 @@ class Trainer:
 
         The step reads device values on the host once, for the skip decision (all-reduced loss and grad
         norm, in one transfer): every read waits for all queued GPU work, so the other numbers stay on
-        the device until then. Right after each backward is launched, the next micro-step's batch is
-        loaded (:meth:`BatchFeed.prefetch`), so the host's data work runs while the GPU computes that
-        backward.
+        the device until then. Before each micro-step is launched, the next micro-step's batch is drawn
+        and handed to the feed's thread to assemble (:meth:`BatchFeed.prefetch`), so the host's tensor work
+        on the data runs while the main thread launches the forward and backward.
         """
         cfg, acc, world = self.cfg, self.runtime.accelerator, self.runtime.world_size
         tic = time.perf_counter()
@@ -239,21 +239,19 @@ class Trainer:
         for micro in range(cfg.grad_accum):
             tic = time.perf_counter()
             batch = self.feed.next_batch(self.micro_step)
+            last = micro == cfg.grad_accum - 1
+            if not (last and self.step + 1 >= cfg.max_steps):  # no batch after the run's last step
+                self.feed.prefetch(self.micro_step + 1)  # assembled while this micro-step is launched
             self.data_seconds += time.perf_counter() - tic
             if faults.poisoned("train_nan", rank=self.runtime.rank, step=self.step + 1):  # test hook
                 batch.latents = torch.full_like(batch.latents, float("nan"))
             step_ids.extend(batch.ids)
-            last = micro == cfg.grad_accum - 1
             with contextlib.nullcontext() if last else self.no_sync():
                 loss, per_stage, record = self.forward(batch)
                 acc.backward(loss / cfg.grad_accum)
             self.micro_step += 1
             if self.warmup is not None:
                 self.warmup.saw(record["bucket"], record["units"], tic)
-            if not (last and self.step + 1 >= cfg.max_steps):  # no batch after the run's last step
-                tic = time.perf_counter()
-                self.feed.prefetch(self.micro_step)
-                self.data_seconds += time.perf_counter() - tic
             loss = loss.detach()
             stats[0] += loss.double() / cfg.grad_accum
             local_bad |= ~torch.isfinite(loss)
@@ -518,7 +516,9 @@ class Trainer:
         noise_seed = int(group_rng(rt.seed, _NOISE, rt.rank).integers(2**62))
         self.noise = torch.Generator(device=rt.device).manual_seed(noise_seed)
         self.peak_flops = peak_flops(rt.device)
-        background = cfg.checkpoint_async is True or (cfg.checkpoint_async == "auto" and rt.device.type == "cuda")
+        background = cfg.checkpoint_async is True or (
+            cfg.checkpoint_async == "auto" and rt.device.type == "cuda"
+        )
         self.saver = (
             ckpt.BackgroundSaver(
                 self.out / "checkpoints", rank=rt.rank, world_size=rt.world_size, is_main=rt.is_main,
