@@ -303,21 +303,9 @@ def run_steps(trainer: Any, setting: Setting, dims: dict) -> Timings:
 
     records: list[dict] = []
     trainer.write_assignment = records.append  # keep the per-forward records in memory
-    load_s: list[float] = []  # host time of the batch loads of the current step
-    next_batch = trainer.loader.next_batch
-
-    def timed_next_batch(step: int) -> Any:
-        t = time.perf_counter()
-        try:
-            return next_batch(step)
-        finally:
-            load_s.append(time.perf_counter() - t)
-
-    trainer.loader.next_batch = timed_next_batch
     out, cuda = Timings(), setting.cuda
     for i in range(setting.steps + setting.warmup):
         records.clear()
-        load_s.clear()
         if cuda:
             torch.cuda.synchronize()
         tic = time.perf_counter()
@@ -337,7 +325,7 @@ def run_steps(trainer: Any, setting: Setting, dims: dict) -> Timings:
         out.host.append(returned)
         out.wait.append(metrics["gpu_wait_s"])
         out.peak.append(metrics.get("peak_memory_gib", 0.0))
-        out.load.append(sum(load_s))
+        out.load.append(metrics["data_time_s"])  # the main thread's: drawing and waiting for batches
         out.tokens.append(sum(r["tokens"] for r in records))
         for rec in records:
             f, h, w = rec["bucket"]
