@@ -545,18 +545,17 @@ class ReferenceTraining:
 
     def step(self) -> float:
         accelerator = types.SimpleNamespace(autocast=lambda: autocast(self.device))  # all its call uses
-        batch_text = {
-            "prompt_embeds": self.positive.prompt_embeds.clone(),
-            "prompt_attention_mask": self.positive.prompt_attention_mask.clone(),
-            "pooled_prompt_embeds": self.positive.pooled_prompt_embeds.clone(),
-        }
         losses = []
         for _ in range(self.micro_batches):
+            batch_text = {
+                "prompt_embeds": self.positive.prompt_embeds.clone(),
+                "prompt_attention_mask": self.positive.prompt_attention_mask.clone(),
+                "pooled_prompt_embeds": self.positive.pooled_prompt_embeds.clone(),
+            }
             with autocast(self.device):
                 loss, _ = self.ref(
-                    self.latents.clone(), {k: v.clone() for k, v in batch_text.items()}, identifier=["video"],
-                    accelerator=accelerator,
-                )  # fmt: skip
+                    self.latents.clone(), batch_text, identifier=["video"], accelerator=accelerator
+                )
             losses.append(float(loss.detach()))
             (loss / self.micro_batches).backward()
         torch.nn.utils.clip_grad_norm_(self.ref.dit.parameters(), 1.0)

@@ -381,12 +381,12 @@ def generate_latents(
     if device is None:
         device = text.positive.device
     cuda_graphs = settings.cuda_graphs and torch.device(device).type == "cuda"
-    stage_graph = graphs
-    if cuda_graphs and graphs is None:  # the speed layer is imported only when it is used
+    call_dit = dit
+    if cuda_graphs:  # the speed layer is imported only when it is used
         from pfctl.models.fast.cuda_graph import StageGraph
 
-        # one for the whole video, released after each stage: only the first stage warms up eagerly
-        stage_graph = StageGraph(dit)
+        # without the caller's: one for the whole video, released after each stage (only the first warms up)
+        call_dit = graphs if graphs is not None else StageGraph(dit)
     shape = (text.batch_size, latent_channels, int(temp), int(height), int(width))
 
     low_noise = _low_noise(initial_noise, shape, generator, device, dtype, plan.num_stages)
@@ -405,11 +405,11 @@ def generate_latents(
                 x = upsample_nearest2(x)
                 x = scheduler.renoise(x, stage, next_block_noise(tuple(x.shape)))
             x = _run_stage(
-                stage_graph if cuda_graphs else dit, x, history[stage], schedule, inputs,
+                call_dit, x, history[stage], schedule, inputs,
                 unit=unit, stage=stage, scale=plan.scales[unit], scheduler=scheduler, device=device,
             )  # fmt: skip
             if cuda_graphs and graphs is None:
-                stage_graph.release()
+                call_dit.release()
         generated.append(x)
 
     return torch.cat(generated, dim=2)

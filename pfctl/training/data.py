@@ -193,9 +193,9 @@ class BatchFeed:
     def prefetch(self, micro_step: int) -> None:
         """Draw the batch of ``micro_step`` now and assemble it on the feed's thread.
 
-        Called before a micro-step is launched, for the next one. The draw (the sampler, the cache reads, the sync group's
-        agreement on failed reads) runs on the main thread, in the same order on every rank, because the
-        loader may all-reduce load failures over the group. The assembly (posterior samples, normalisation,
+        Called before a micro-step is launched, for the next one. The draw (the sampler, the cache reads,
+        the sync group's agreement on failed reads) runs on the main thread, in the same order on every
+        rank, because the loader may all-reduce load failures over the group. The assembly (posterior samples, normalisation,
         text stacking, pinning: tensor work that releases the GIL) runs on one thread of its own while the
         main thread launches the micro-step; the micro-step that uses the batch waits for it. The
         data position before the draw is kept: until the batch is used, a checkpoint records that position,

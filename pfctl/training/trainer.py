@@ -516,9 +516,7 @@ class Trainer:
         noise_seed = int(group_rng(rt.seed, _NOISE, rt.rank).integers(2**62))
         self.noise = torch.Generator(device=rt.device).manual_seed(noise_seed)
         self.peak_flops = peak_flops(rt.device)
-        background = cfg.checkpoint_async is True or (
-            cfg.checkpoint_async == "auto" and rt.device.type == "cuda"
-        )
+        background = cfg.checkpoint_async is True or (cfg.checkpoint_async == "auto" and rt.device.type == "cuda")
         self.saver = (
             ckpt.BackgroundSaver(
                 self.out / "checkpoints", rank=rt.rank, world_size=rt.world_size, is_main=rt.is_main,
