@@ -27,6 +27,7 @@ video's group writes it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import tempfile
@@ -557,10 +558,26 @@ def run_generate(
     """
     start = time.perf_counter()
     specs, image, output_dir = _check_inputs(config.generate, prompts, image)
-    if runtime is None:
-        from pfctl.runtime.accelerator import build_runtime
+    run = functools.partial(_generate, config, specs, image, output_dir, components, keep_latents, start)
+    if runtime is not None:
+        return run(runtime)
+    from pfctl.runtime.accelerator import build_runtime
 
-        runtime = build_runtime(config.runtime)
+    runtime = build_runtime(config.runtime)
+    try:
+        return run(runtime)
+    finally:
+        # the run's own process group ends with it: left to the interpreter's exit, gloo's threads at times
+        # aborted a rank (SIGABRT) after its videos were written
+        if runtime.world_size > 1:
+            runtime.close()
+
+
+def _generate(
+    config: Any, specs: list[PromptSpec], image: str | None, output_dir: Path, components: Any, keep_latents: bool,
+    start: float, runtime: Any,
+) -> GenerateReport:  # fmt: skip
+    """:func:`run_generate` after its inputs are checked, on ``runtime``."""
     jobs = _plan_jobs(specs, config.generate, runtime.seed, image)
     check_layout(config.generate, runtime.world_size, len(jobs))  # before loading: refused on every rank
     device = torch.device(runtime.device)
