@@ -800,6 +800,21 @@ def _to(args: dict, device: str) -> dict:
     return {k: move(v) for k, v in args.items()}
 
 
+def _inductor_on_cuda_only(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+    """Inductor, after checking that a compiled block computes nothing on the CPU. This test sat in Inductor's
+    C++ toolchain probe (``cpu_vec_isa.check_build``) in two GPU sessions (2026-12-02): a CPU kernel was being
+    generated for some part of a block. A CPU value in the graph now fails at once and names its node."""
+    from torch._inductor.compile_fx import compile_fx
+
+    on_cpu = [
+        node.format_node()
+        for node in gm.graph.nodes
+        if isinstance(value := node.meta.get("example_value"), torch.Tensor) and value.device.type == "cpu"
+    ]
+    assert not on_cpu, "CPU values in a compiled block: " + "; ".join(on_cpu[:8])
+    return compile_fx(gm, example_inputs)
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -813,7 +828,8 @@ def test_checkpointing_compile_and_fsdp2_compose_on_cuda(strategy: str) -> None:
 
     eager, fast = build("flux").cuda().train(), build("flux").cuda().train()
     torch._dynamo.reset()
-    apply_fast_paths(fast, FastPaths(PLAIN, checkpointing_ratio=0.5, compile=True))
+    paths = FastPaths(PLAIN, checkpointing_ratio=0.5, compile=True, compile_backend=_inductor_on_cuda_only)
+    apply_fast_paths(fast, paths)
     shard_model(fast, [b for _, b in fast.blocks_in_order()], strategy=strategy, device=torch.device("cuda"))
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (eager, fast)]
     for step in range(2):
