@@ -363,6 +363,8 @@ class PyramidLayout:
     joint_rope: RotaryTable | None = None  # for the [text_k; image_k] layout (text: identity)
     row_groups: list[list[RowGroup] | None] | None = None  # per column (:func:`causal_row_groups`), or None
     grouped: bool = field(init=False)  # row_groups is set (a flag compiled blocks can branch on)
+    # the model attends long columns in row groups: this call's columns may all be too short to be grouped
+    grouping: bool = False
     # per column: the row groups as one host table (:func:`group_table`; a column without groups: one group),
     # what an operator taking them as a tensor reads (pfctl.models.fast)
     group_tables: list[torch.Tensor] | None = field(init=False)
@@ -518,6 +520,7 @@ class PyramidAttention:
             rope=rope,
             joint_rope=joint_rope,
             row_groups=row_groups,
+            grouping=self.row_groups_active,
         )
 
     def align_text(

@@ -753,6 +753,43 @@ def long_inputs(seed: int = 3) -> dict:
     return args
 
 
+def test_compiled_training_with_row_groups_recompiles_nothing_per_column(monkeypatch) -> None:
+    """With row groups on (``skip_future_keys``), training steps whose columns are grouped in some steps and too
+    short in others must not recompile per column: with gradients every attention call of a compiled block
+    goes to the eager row-group function, which the compiled code hands the layout and column whole. (When a
+    step without grouped columns traced the one-call path in the attention frame that a grouped step's graph
+    break had made, that frame was compiled again for every column index: the 768p recipe hit dynamo's
+    limit of 8 on an H200, a 13.5 s step.)"""
+    import pfctl.models.attention_layout as dc
+    from pfctl.models.fast import FastPaths, apply_fast_paths
+
+    monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", 8)
+    model = build("flux").train()
+    model.set_attention_backend(
+        "auto", skip_future_keys=True, min_tokens=25
+    )  # columns of 4 + 4t image tokens
+    torch._dynamo.reset()
+    apply_fast_paths(model, FastPaths(PLAIN, compile=True, compile_backend="eager", independent_sizes=True))
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for frames in [(1, 2), (5, 1), (1, 1), (2, 6), (1, 5), (2, 2), (6, 4), (4, 1)]:  # grouped from t = 4
+            args = inputs()
+            args["sample"] = [
+                [
+                    torch.randn(2, LATENT_C, 1, 4, 4, generator=gen),
+                    torch.randn(2, LATENT_C, t, 4, 4, generator=gen),
+                ]
+                for t in frames
+            ]
+            sum(o.square().mean() for o in model(**args)).backward()
+        # why dynamo compiled each frame again, per code object
+        reasons = {code.co_name: list(why) for code, why in torch._dynamo.guard_failures.items()}
+    finally:
+        torch._dynamo.reset()
+    assert not [r for why in reasons.values() for r in why if "column" in r], reasons
+    assert len(reasons.get("attend", [])) <= 1, reasons  # (the column index turning dynamic)
+
+
 @pytest.mark.slow
 def test_compiled_blocks_keep_one_graph_per_block_type_across_training_layouts() -> None:
     """Columns whose token counts change independently (as a training run's do every step) must not

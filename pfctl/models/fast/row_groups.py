@@ -3,8 +3,8 @@
 A compiled block must trace neither the row groups nor their calls: it would guard on the group layout,
 which changes every sampler stage and training step. :class:`CompiledRowGroups` (swapped into the attention
 modules with ``compile``) sends a grouped column without gradients to the :func:`row_group_attention`
-operator, opaque to the compiler, so a block stays one graph; with gradients to
-:func:`_attend_in_row_groups`, run eagerly (a graph break). The results are those of
+operator, opaque to the compiler, so a block stays one graph; with gradients every column of a model with
+row groups on, grouped in this call or not, to :func:`_attend_in_row_groups`, run eagerly (a graph break). The results are those of
 :meth:`pfctl.models.attention_layout.PyramidLayout.attend`.
 """
 
@@ -42,11 +42,11 @@ def _row_group_attention_shape(
 def _attend_in_row_groups(
     layout: PyramidLayout, column: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> torch.Tensor:
-    """:meth:`PyramidLayout.attend` in row groups with gradients (training), run eagerly inside compiled
-    blocks (their graph breaks here). The layout goes in whole: a compiled block never reads the groups, so
-    it holds no guard on them and a new group layout (every training step) recompiles nothing."""
-    groups = layout.row_groups[column]
-    return masked_attention(q, k, v, layout.attn_masks[column], layout.attention_backend, groups)
+    """:meth:`PyramidLayout.attend` with gradients (training) in a model with row groups on, run eagerly inside
+    compiled blocks (their graph breaks here), whether or not this call's columns are long enough to be grouped.
+    The layout goes in whole: compiled code never reads the groups, the masks or the column index, so it holds
+    no guard on them and a new group layout or column (every training step) recompiles nothing."""
+    return layout.attend(column, q, k, v)
 
 
 class CompiledRowGroups:
@@ -55,9 +55,9 @@ class CompiledRowGroups:
     def attend(
         self, layout: PyramidLayout, column: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
+        if layout.grouping and torch.is_grad_enabled():
+            return _attend_in_row_groups(layout, column, q, k, v)
         if not layout.grouped:
             return super().attend(layout, column, q, k, v)
-        if torch.is_grad_enabled():
-            return _attend_in_row_groups(layout, column, q, k, v)
         mask, table = layout.attn_masks[column], layout.group_tables[column]
         return torch.ops.pfctl.row_group_attention(q, k, v, mask, table, layout.attention_backend)
