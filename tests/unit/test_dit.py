@@ -765,14 +765,13 @@ def test_compiled_training_with_row_groups_recompiles_nothing_per_column(monkeyp
 
     monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", 8)
     model = build("flux").train()
-    model.set_attention_backend(
-        "auto", skip_future_keys=True, min_tokens=25
-    )  # columns of 4 + 4t image tokens
+    # columns of 5 text and 4 + 4t image tokens: grouped from t = 4
+    model.set_attention_backend("auto", skip_future_keys=True, min_tokens=25)
     torch._dynamo.reset()
     apply_fast_paths(model, FastPaths(PLAIN, compile=True, compile_backend="eager", independent_sizes=True))
     gen = torch.Generator().manual_seed(0)
     try:
-        for frames in [(1, 2), (5, 1), (1, 1), (2, 6), (1, 5), (2, 2), (6, 4), (4, 1)]:  # grouped from t = 4
+        for frames in [(1, 2), (5, 1), (1, 1), (2, 6), (1, 5), (2, 2), (6, 4), (4, 1)]:
             args = inputs()
             args["sample"] = [
                 [
@@ -838,9 +837,10 @@ def _to(args: dict, device: str) -> dict:
 
 
 def _inductor_on_cuda_only(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-    """Inductor, after checking that a compiled block computes nothing on the CPU. This test sat in Inductor's
-    C++ toolchain probe (``cpu_vec_isa.check_build``) in two GPU sessions (2026-12-02): a CPU kernel was being
-    generated for some part of a block. A CPU value in the graph now fails at once and names its node."""
+    """Inductor, after checking that a compiled block computes nothing on the CPU. This test did not finish in
+    three GPU sessions; in the last (2026-12-02) its stacks showed Inductor generating a CPU kernel for a block,
+    waiting in its C++ toolchain probe (``cpu_vec_isa.check_build``). A CPU value in a compiled block now
+    fails at once and names its node."""
     from torch._inductor.compile_fx import compile_fx
 
     on_cpu = [
