@@ -758,8 +758,8 @@ def test_compiled_training_with_row_groups_recompiles_nothing_per_column(monkeyp
     short in others must not recompile per column: with gradients every attention call of a compiled block
     goes to the eager row-group function, which the compiled code hands the layout and column whole. (When a
     step without grouped columns traced the one-call path in the attention frame that a grouped step's graph
-    break had made, that frame was compiled again for every column index: the 768p recipe hit dynamo's
-    limit of 8 on an H200, a 13.5 s step.)"""
+    break had made, that frame was compiled again for every column index, up to dynamo's recompile limit:
+    benchmarks/RESULTS.md, session 20.)"""
     import pfctl.models.attention_layout as dc
     from pfctl.models.fast import FastPaths, apply_fast_paths
 

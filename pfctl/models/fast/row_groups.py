@@ -4,8 +4,8 @@ A compiled block must trace neither the row groups nor their calls: it would gua
 which changes every sampler stage and training step. :class:`CompiledRowGroups` (swapped into the attention
 modules with ``compile``) sends a grouped column without gradients to the :func:`row_group_attention`
 operator, opaque to the compiler, so a block stays one graph; with gradients every column of a model with
-row groups on, grouped in this call or not, to :func:`_attend_in_row_groups`, run eagerly (a graph break). The results are those of
-:meth:`pfctl.models.attention_layout.PyramidLayout.attend`.
+row groups on, grouped in this call or not, to :func:`_attend_in_row_groups`, run eagerly (a graph break).
+The results are those of :meth:`pfctl.models.attention_layout.PyramidLayout.attend`.
 """
 
 from __future__ import annotations
@@ -42,10 +42,11 @@ def _row_group_attention_shape(
 def _attend_in_row_groups(
     layout: PyramidLayout, column: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> torch.Tensor:
-    """:meth:`PyramidLayout.attend` with gradients (training) in a model with row groups on, run eagerly inside
-    compiled blocks (their graph breaks here), whether or not this call's columns are long enough to be grouped.
-    The layout goes in whole: compiled code never reads the groups, the masks or the column index, so it holds
-    no guard on them and a new group layout or column (every training step) recompiles nothing."""
+    """:meth:`PyramidLayout.attend` with gradients (training) in a model with row groups on, run eagerly
+    inside compiled blocks (their graph breaks here), whether or not this call's columns are long enough to
+    be grouped. The layout goes in whole: compiled code never reads the groups, the masks or the column
+    index, so it holds no guard on them and a new group layout or column (every training step) recompiles
+    nothing."""
     return layout.attend(column, q, k, v)
 
 
