@@ -363,17 +363,30 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
         # as pfctl generate runs several videos of one size: the graphs captured by the first run replay
         # in the later ones (the timed run is the last)
         common["graphs"] = StageGraph(dit, keep=True)
+        capture = StageGraph._capture
+
+        def timed_capture(self, *a, **kw):  # the host time of each capture, for the first video's cost
+            start = time.perf_counter()
+            try:
+                return capture(self, *a, **kw)
+            finally:
+                capture_s.append(time.perf_counter() - start)
+
+        StageGraph._capture = timed_capture
+    capture_s: list[float] = []
 
     def run_pfctl(**noise):
         with torch.no_grad():
             return generate_latents(dit, conditioning, **common, **noise)
 
-    pf_runs = [
-        _timed(lambda: run_pfctl(generator=torch.Generator(device).manual_seed(0)), device)
-        for _ in range(args.repeats)
-    ]
+    pf_runs, captures = [], []
+    for _ in range(args.repeats):
+        pf_runs.append(_timed(lambda: run_pfctl(generator=torch.Generator(device).manual_seed(0)), device))
+        captures.append((len(capture_s), sum(capture_s)))
+        capture_s.clear()
     _, pf_sample_s, pf_sample_peak = pf_runs[-1]
-    print(f"pfctl: sampling {', '.join(f'{r[1]:.2f}' for r in pf_runs)} s")
+    print(f"pfctl: sampling {', '.join(f'{r[1]:.2f}' for r in pf_runs)} s; graph captures (count, host s) "
+          + ", ".join(f"{n} / {t:.2f}" for n, t in captures))  # fmt: skip
     replayed = run_pfctl(initial_noise=record["initial"], block_noises=record["blocks"])
     pf_tile = resolve_decode_tile(
         args.decode_tile, height=height, width=width, window=1, dtype=dtype, available=free_memory(device)
@@ -426,6 +439,8 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
             "decode_peak_gib": pf_decode_peak,
             "decode_tile": pf_tile,
             "all_sample_s": [r[1] for r in pf_runs],
+            "captures_per_run": [n for n, _ in captures],
+            "capture_host_s_per_run": [t for _, t in captures],
         },
         "latents_relative_l2": latent_err,
         "latents_tolerance": tolerance,

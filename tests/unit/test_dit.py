@@ -829,6 +829,36 @@ def test_compiled_blocks_keep_one_graph_per_block_type_across_training_layouts()
         torch._dynamo.reset()
 
 
+def test_compiled_blocks_take_their_float_attributes_as_constants() -> None:
+    """With every size dynamic, Dynamo passed each float attribute of a block (norm eps, dropout p) to its graph
+    as a 0-dim CPU tensor; on CUDA under FSDP2 and checkpointing, Inductor then generated CPU code for a block
+    (the compose test below). The compiled blocks' graphs take no such input, forward or recomputed."""
+    from pfctl.models.fast import FastPaths, apply_fast_paths
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    model = build("flux").train()
+    torch._dynamo.reset()
+    try:
+        apply_fast_paths(model, FastPaths(PLAIN, checkpointing_ratio=0.5, compile=True, compile_backend=keep))
+        sum(o.square().mean() for o in model(**inputs(seed=0))).backward()
+    finally:
+        torch._dynamo.reset()
+    scalars = [
+        node.name
+        for gm in graphs
+        for node in gm.graph.nodes
+        if node.op == "placeholder"
+        and isinstance(value := node.meta.get("example_value"), torch.Tensor)
+        and value.dim() == 0
+    ]
+    assert graphs and not scalars, scalars
+
+
 def _to(args: dict, device: str) -> dict:
     def move(v):
         return [move(x) for x in v] if isinstance(v, list) else v.to(device)

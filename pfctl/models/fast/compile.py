@@ -63,6 +63,10 @@ def compile_blocks(
     # inductor's coalescing analysis (a tiling heuristic: speed, not results) asserted on dynamic-shape
     # kernels of these blocks with torch 2.11 on CUDA; the benchmarked generate runs have it off
     inductor_config.triton.coalesce_tiling_analysis = False
+    # the blocks' float attributes (norm eps, dropout p) as constants: with dynamic sizes Dynamo otherwise
+    # passes each as a 0-dim CPU tensor, and on CUDA under FSDP2 and checkpointing Inductor then generated
+    # CPU code for a block
+    torch._dynamo.config.specialize_float = True
     if independent_sizes:
         import torch.fx.experimental._config as shape_config
 
