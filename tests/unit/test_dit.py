@@ -867,10 +867,9 @@ def _to(args: dict, device: str) -> dict:
 
 
 def _inductor_on_cuda_only(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-    """Inductor, after checking that a compiled block computes nothing on the CPU. This test did not finish in
-    three GPU sessions; in the last (2026-12-02) its stacks showed Inductor generating a CPU kernel for a block,
-    waiting in its C++ toolchain probe (``cpu_vec_isa.check_build``). A CPU value in a compiled block now
-    fails at once and names its node."""
+    """Inductor, after checking that a compiled block computes nothing on the CPU: a CPU value fails at once and
+    names its node, where Inductor would otherwise generate CPU code for it (the blocks' float attributes did,
+    until compiled as constants)."""
     from torch._inductor.compile_fx import compile_fx
 
     on_cpu = [
