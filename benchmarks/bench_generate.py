@@ -25,6 +25,7 @@ import json
 import sys
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -57,7 +58,8 @@ class RandomTextEncoder:
     def encode(self, prompts):
         from pfctl.models.text_embeddings import TextEmbeddings
 
-        gen = torch.Generator().manual_seed(abs(hash(tuple(prompts))) % 2**31)
+        # seeded by the prompts' bytes, not hash(): string hashes differ between processes
+        gen = torch.Generator().manual_seed(zlib.crc32("\0".join(prompts).encode()))
         n = len(prompts)
         return TextEmbeddings(
             prompt_embeds=torch.randn(n, self.seq_len, self.dim, generator=gen).to(self.device, self.dtype),

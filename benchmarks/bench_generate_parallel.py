@@ -1,4 +1,5 @@
-"""Peak GPU memory and time of ``pfctl generate`` at each ``generate.low_memory`` level.
+"""Peak GPU memory and time of ``pfctl generate`` at each ``generate.low_memory`` level; with
+``--processes``, the speed-up of one video sampled by several processes (one GPU each).
 
 Each level runs in a process of its own (a clean allocator, a clean peak), on models with random weights of
 the real sizes: the miniFLUX DiT (~2B) and the released causal-VAE architecture from
@@ -11,15 +12,26 @@ the time is the call's, without building the models.
     python benchmarks/bench_generate_parallel.py --levels none,offload,stream --resolution 384p
     python benchmarks/bench_generate_parallel.py --levels none,stream --resolution 768p --temp 16
     python benchmarks/bench_generate_parallel.py --device cpu          # tiny models: a smoke run
+    python benchmarks/bench_generate_parallel.py --processes 1,2 --resolution 768p
 
 On the CPU the tiny presets stand in (64x64, one step per stage): nothing moves there, so it only shows that
 every level runs.
+
+``--processes N,...``: the same video (same weights, prompt and seed) sampled by each number of processes
+under ``torchrun``, with ``generate.parallel`` left on ``auto`` (one video: CFG halves on two ranks, the rest
+splitting the sequence), and by one process without CUDA graphs (several ranks on one video run without
+them), so that what the graphs give and what the processes give can be told apart. It reports the sampling
+time of each (the sidecar's), the speed-up over one process, the layout the sidecar records and the latents'
+relative L2 against the one-process video. The DiT and VAE have random weights of the real sizes (the
+text encoders are stand-ins: the text encoding is not what is timed). On the CPU, 2 processes of the tiny
+preset (gloo): a smoke run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -130,6 +142,91 @@ def run_level(args: argparse.Namespace) -> dict:
     }
 
 
+def run_processes(args: argparse.Namespace) -> dict | None:
+    """One run of the ``--processes`` mode in this rank (started by ``torchrun``): every rank builds the same
+    random-weight models on its device and samples the one video; the rank that writes it returns its
+    figures (the others None)."""
+    from bench_generate import REAL_VAE, build_components
+
+    from pfctl.config import load_config
+    from pfctl.config.generate import RESOLUTIONS
+    from pfctl.models.vae import TINY_CAUSAL_VAE_CONFIG
+    from pfctl.sampling.generate import run_generate
+
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    preset = "miniflux" if cuda else "tiny"
+    width, height = RESOLUTIONS[args.resolution] if cuda else (64, 64)
+    components, _ = build_components(preset, REAL_VAE if cuda else TINY_CAUSAL_VAE_CONFIG, device, dtype, seed=0)
+    steps = ([20, 20, 20], [10, 10, 10]) if cuda else ([1, 1, 1], [1, 1, 1])
+    config = load_config(
+        None,
+        [
+            f"runtime.device={device.type}", f"generate.output_dir={args.out}", f"generate.width={width}",
+            f"generate.height={height}", f"generate.temp={args.temp if cuda else 2}",
+            f"generate.num_inference_steps={steps[0]}", f"generate.video_num_inference_steps={steps[1]}",
+            f"generate.dtype={'bf16' if cuda else 'fp32'}", f"generate.cuda_graphs={not args.no_graphs}",
+            "generate.seed=0", "generate.save_latents=true", "generate.encoder_threads=0",
+        ],
+    )  # fmt: skip
+    report = run_generate(config, ["a red circle moving left"], components=components)
+    if not report.videos:
+        return None
+    (video,) = report.videos
+    sidecar = json.loads(video.sidecar.read_text())
+    return {
+        "processes": int(os.environ.get("WORLD_SIZE", "1")),
+        "cuda_graphs": cuda and sidecar["settings"]["generate"]["cuda_graphs"],  # as the run settled it
+        "size": f"{width}x{height}",
+        "temp": config.generate.temp,
+        "timing_s": sidecar["timing_s"],
+        "layout": sidecar["runtime"].get("parallel"),
+        "latents": str(video.path.with_suffix(".latents.safetensors")),
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+    }
+
+
+def compare_processes(args: argparse.Namespace) -> list[dict]:
+    """The ``--processes`` mode: each count under ``torchrun`` (and one process without CUDA graphs on CUDA),
+    the table last."""
+    from safetensors.torch import load_file
+
+    runs = [(n, False) for n in (int(x) for x in args.processes.split(","))]
+    if args.device == "cuda":
+        runs.insert(1, (1, True))
+    rows = []
+    for n, no_graphs in runs:
+        out = tempfile.mkdtemp(prefix=f"pfctl-bench-{n}proc-")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", __file__]
+        cmd += ["--rank-run", "--out", out, "--device", args.device, "--resolution", args.resolution]
+        cmd += ["--temp", str(args.temp), *(["--no-graphs"] if no_graphs else [])]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            sys.exit(f"{n} process(es) failed:\n{proc.stderr[-3000:]}")
+        rows.append(json.loads(lines[-1][len("RESULT ") :]))
+    base = rows[0]
+    reference = load_file(base["latents"])["latents"].double()
+    for row in rows:
+        latents = load_file(row["latents"])["latents"].double()
+        row["latents_relative_l2"] = float((latents - reference).norm() / reference.norm())
+        row["speedup_sample"] = base["timing_s"]["sample"] / row["timing_s"]["sample"]
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    print(f"\npfctl generate on several processes — {base['device']}, {base['size']}, temp {base['temp']}")
+    print(f"{'processes':>9} {'graphs':>6} {'sample s':>9} {'speed-up':>8} {'decode s':>9} {'latents rel. L2':>15}  layout")
+    for row in rows:
+        print(
+            f"{row['processes']:>9} {'yes' if row['cuda_graphs'] else 'no':>6} {row['timing_s']['sample']:>9.2f} "
+            f"{row['speedup_sample']:>7.2f}x {row['timing_s']['decode']:>9.2f} {row['latents_relative_l2']:>15.2e}  "
+            f"{json.dumps(row['layout'])}"
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--levels", default="none,offload,stream", help="comma-separated generate.low_memory levels")
@@ -137,10 +234,24 @@ def main() -> None:
     parser.add_argument("--temp", type=int, default=16, help="latent frames (16 = 5 s)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument(
+        "--processes", default=None, help="comma-separated process counts: the speed-up mode (not the levels)"
+    )
     parser.add_argument("--only", default=None, help=argparse.SUPPRESS)  # one level, in a child process
+    parser.add_argument("--rank-run", action="store_true", help=argparse.SUPPRESS)  # a --processes rank
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--no-graphs", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.rank_run:
+        result = run_processes(args)
+        if result is not None:
+            print("RESULT " + json.dumps(result))
+        return
+    if args.processes is not None:
+        compare_processes(args)
+        return
     if args.only is not None:
         print("RESULT " + json.dumps(run_level(args)))
         return
