@@ -134,11 +134,15 @@ class StageGraph:
         """Drop every graph and its buffers (their memory goes back to the caching allocator)."""
         self._graphs, self._pool = {}, None
 
-    def _on_side_stream(self, device: torch.device, work: Callable[[], Any]) -> Any:
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """This object's side stream on ``device``, made to wait for the work queued before now."""
         if self._stream is None or self._stream.device != device:
             self._stream = torch.cuda.Stream(device)
         self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
+        return self._stream
+
+    def _on_side_stream(self, device: torch.device, work: Callable[[], Any]) -> Any:
+        with torch.cuda.stream(self._side_stream(device)):
             result = work()
         torch.cuda.current_stream().wait_stream(self._stream)
         return result
@@ -148,10 +152,7 @@ class StageGraph:
         ``torch.cuda.graph``, without synchronizing the device and emptying the allocator's cache first:
         the side stream waits for the work queued before it instead, and the cached memory stays for the
         eager work around the graphs (a video captures ~50 shapes, each paid both)."""
-        if self._stream is None or self._stream.device != device:
-            self._stream = torch.cuda.Stream(device)
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(self._side_stream(device)):
             graph.capture_begin(*(() if self._pool is None else (self._pool,)))
             try:
                 return work()
