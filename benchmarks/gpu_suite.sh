@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite in one call (2x H200: single-GPU benchmarks on GPU 0, then the
 # 2-process sync-group run and the FSDP tests on both). Results: $OUT (or ./bench-out).
-# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,refgen768,gen768,gen768skip,gen768prof,attention,traingraphs,rowgroups,lowmem,fp8,refgen1,recipe384,graphtests,recipe768,warmupasserts,recipe768prof,composetest,recipe384warm,gen2gpu]
+# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,refgen768,gen768,gen768skip,gen768prof,attention,traingraphs,rowgroups,lowmem,fp8,refgen1,recipe384,graphtests,recipe768,warmupasserts,recipe768prof,composetest,recipe384warm,gen2gpu,lowmem768]
 # (LAYOUTS=channels_last_unfused,channels_last picks the VAE layouts the vae steps time)
 # (TRAIN_VARIANTS=efficient,efficient+compile+skip picks the pfctl variants the trainvariants step times)
 # (reference: needs a Pyramid-Flow checkout in third_party/Pyramid-Flow and einops; not in the default list)
@@ -102,6 +102,10 @@ esac
 case ",$STEPS," in *,lowmem,*)
   echo "=== generate --low-memory levels at 384p, real-size text encoders included (GPU $GPU; ~4 min)"
   CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_generate_parallel.py --levels none,offload,stream --resolution 384p --json "$OUT/lowmem.json" 2>&1 | tee -a "$OUT/suite.log" | tail -6;;
+esac
+case ",$STEPS," in *,lowmem768,*)
+  echo "=== generate --low-memory levels at 768p, real-size text encoders included (GPU $GPU; ~8 min)"
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_generate_parallel.py --levels none,offload,stream --resolution 768p --json "$OUT/lowmem768.json" 2>&1 | tee -a "$OUT/suite.log" | tail -6;;
 esac
 case ",$STEPS," in *,fp8,*)
   echo "=== FP8 linear layers in generate, 384p (GPU $GPU; ~3 min)"
