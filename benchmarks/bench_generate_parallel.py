@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -85,54 +86,75 @@ class RandomWeightTextEncoder(nn.Module):
         return "random-weight text encoders"
 
 
-def run_level(args: argparse.Namespace) -> dict:
-    """One level in this process: build the parts (on the CPU when they are to move), generate, measure."""
+PROMPT = "a red circle moving left"
+
+
+def preset(cuda: bool) -> str:
+    """The DiT preset of the benchmark: real size on CUDA, tiny on the CPU."""
+    return "miniflux" if cuda else "tiny"
+
+
+def one_video(args: argparse.Namespace, device: torch.device, *overrides: str) -> tuple[Any, Any]:
+    """The benchmark's one video on ``device``: the random-weight DiT and VAE (seed 0; real sizes on CUDA, tiny
+    presets at 64x64 with one step per stage on the CPU) and its config, ``overrides`` after the common settings."""
     from bench_generate import REAL_VAE, build_components
 
     from pfctl.config import load_config
     from pfctl.config.generate import RESOLUTIONS
-    from pfctl.models.registry import preset_config
     from pfctl.models.vae import TINY_CAUSAL_VAE_CONFIG
+
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    vae = REAL_VAE if cuda else TINY_CAUSAL_VAE_CONFIG
+    components, _ = build_components(preset(cuda), vae, device, dtype, seed=0)
+    width, height = RESOLUTIONS[args.resolution] if cuda else (64, 64)
+    steps = ([20, 20, 20], [10, 10, 10]) if cuda else ([1, 1, 1], [1, 1, 1])
+    config = load_config(
+        None,
+        [
+            f"runtime.device={device.type}", f"generate.width={width}", f"generate.height={height}",
+            f"generate.temp={args.temp if cuda else 2}", f"generate.num_inference_steps={steps[0]}",
+            f"generate.video_num_inference_steps={steps[1]}", f"generate.dtype={'bf16' if cuda else 'fp32'}",
+            "generate.seed=0", "generate.encoder_threads=0", *overrides,
+        ],
+    )  # fmt: skip
+    return components, config
+
+
+def run_level(args: argparse.Namespace) -> dict:
+    """One level in this process: build the parts (on the CPU when they are to move), generate, measure."""
+    from pfctl.models.registry import preset_config
     from pfctl.sampling.generate import run_generate
 
     cuda = args.device == "cuda"
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if cuda else torch.float32
-    preset = "miniflux" if cuda else "tiny"
-    width, height = RESOLUTIONS[args.resolution] if cuda else (64, 64)
-    components, _ = build_components(preset, REAL_VAE if cuda else TINY_CAUSAL_VAE_CONFIG, device, dtype, seed=0)
-    cfg = preset_config(preset)
+    components, config = one_video(
+        args,
+        device,
+        f"generate.output_dir={tempfile.mkdtemp(prefix='pfctl-bench-lowmem-')}",
+        f"generate.low_memory={args.only}",
+    )
+    cfg = preset_config(preset(cuda))
     with torch.device(device):  # built where the random init is fast, then moved where the level keeps it
         text = RandomWeightTextEncoder(
             T5_XXL if cuda else TINY_T5, CLIP_L if cuda else TINY_CLIP, cfg["joint_attention_dim"],
             cfg["pooled_projection_dim"],
         )  # fmt: skip
-    components.text_encoder = nn.Module.to(text, dtype=dtype).eval()
+    components.text_encoder = nn.Module.to(text, dtype=next(components.dit.parameters()).dtype).eval()
     if args.only != "none":  # the parts wait on the CPU
         for part in (components.dit, components.vae.module, components.text_encoder):
             nn.Module.to(part, "cpu")
-    steps = ([20, 20, 20], [10, 10, 10]) if cuda else ([1, 1, 1], [1, 1, 1])
-    config = load_config(
-        None,
-        [
-            f"runtime.device={device.type}", f"generate.output_dir={tempfile.mkdtemp(prefix='pfctl-bench-lowmem-')}",
-            f"generate.width={width}", f"generate.height={height}", f"generate.temp={args.temp if cuda else 2}",
-            f"generate.num_inference_steps={steps[0]}", f"generate.video_num_inference_steps={steps[1]}",
-            f"generate.dtype={'bf16' if cuda else 'fp32'}", f"generate.low_memory={args.only}",
-            "generate.seed=0", "generate.encoder_threads=0",
-        ],
-    )  # fmt: skip
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
     start = time.perf_counter()
-    report = run_generate(config, ["a red circle moving left"], components=components)
+    report = run_generate(config, [PROMPT], components=components)
     seconds = time.perf_counter() - start
     (video,) = report.videos
     sidecar = json.loads(video.sidecar.read_text())
     return {
         "level": args.only,
-        "size": f"{width}x{height}",
+        "size": f"{config.generate.width}x{config.generate.height}",
         "temp": config.generate.temp,
         "seconds": seconds,
         "timing_s": sidecar["timing_s"],
@@ -146,33 +168,20 @@ def run_processes(args: argparse.Namespace) -> dict | None:
     """One run of the ``--processes`` mode in this rank (started by ``torchrun``): every rank builds the same
     random-weight models on its device and samples the one video; the rank that writes it returns its
     figures (the others None)."""
-    from bench_generate import REAL_VAE, build_components
-
-    from pfctl.config import load_config
-    from pfctl.config.generate import RESOLUTIONS
-    from pfctl.models.vae import TINY_CAUSAL_VAE_CONFIG
     from pfctl.sampling.generate import run_generate
 
     cuda = args.device == "cuda"
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dtype = torch.bfloat16 if cuda else torch.float32
-    preset = "miniflux" if cuda else "tiny"
-    width, height = RESOLUTIONS[args.resolution] if cuda else (64, 64)
-    components, _ = build_components(preset, REAL_VAE if cuda else TINY_CAUSAL_VAE_CONFIG, device, dtype, seed=0)
-    steps = ([20, 20, 20], [10, 10, 10]) if cuda else ([1, 1, 1], [1, 1, 1])
-    config = load_config(
-        None,
-        [
-            f"runtime.device={device.type}", f"generate.output_dir={args.out}", f"generate.width={width}",
-            f"generate.height={height}", f"generate.temp={args.temp if cuda else 2}",
-            f"generate.num_inference_steps={steps[0]}", f"generate.video_num_inference_steps={steps[1]}",
-            f"generate.dtype={'bf16' if cuda else 'fp32'}", f"generate.cuda_graphs={not args.no_graphs}",
-            "generate.seed=0", "generate.save_latents=true", "generate.encoder_threads=0",
-        ],
-    )  # fmt: skip
-    report = run_generate(config, ["a red circle moving left"], components=components)
+    components, config = one_video(
+        args,
+        device,
+        f"generate.output_dir={args.out}",
+        f"generate.cuda_graphs={not args.no_graphs}",
+        "generate.save_latents=true",
+    )
+    report = run_generate(config, [PROMPT], components=components)
     if not report.videos:
         return None
     (video,) = report.videos
@@ -180,7 +189,7 @@ def run_processes(args: argparse.Namespace) -> dict | None:
     return {
         "processes": int(os.environ.get("WORLD_SIZE", "1")),
         "cuda_graphs": cuda and sidecar["settings"]["generate"]["cuda_graphs"],  # as the run settled it
-        "size": f"{width}x{height}",
+        "size": f"{config.generate.width}x{config.generate.height}",
         "temp": config.generate.temp,
         "timing_s": sidecar["timing_s"],
         "layout": sidecar["runtime"].get("parallel"),

@@ -357,6 +357,7 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
     common = dict(
         settings=settings, temp=temp, height=height // 8, width=width // 8, dtype=dtype, device=device
     )
+    capture_s: list[float] = []  # the host time of each graph capture, for the first video's cost
     if cuda and not args.no_cuda_graphs:
         from pfctl.models.fast.cuda_graph import StageGraph
 
@@ -365,7 +366,7 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
         common["graphs"] = StageGraph(dit, keep=True)
         capture = StageGraph._capture
 
-        def timed_capture(self, *a, **kw):  # the host time of each capture, for the first video's cost
+        def timed_capture(self, *a, **kw):
             start = time.perf_counter()
             try:
                 return capture(self, *a, **kw)
@@ -373,7 +374,6 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
                 capture_s.append(time.perf_counter() - start)
 
         StageGraph._capture = timed_capture
-    capture_s: list[float] = []
 
     def run_pfctl(**noise):
         with torch.no_grad():
