@@ -128,7 +128,7 @@ esac
 case ",$STEPS," in *,graphtests,*)
   # (no faulthandler stack dumps: on the GPU machine's Python 3.12 the dump itself crashed the process)
   echo "=== CUDA tests: graphs under accumulation vs eager, checkpointing + compile + FSDP2 vs eager (GPU $GPU; ~8 min)"
-  CUDA_VISIBLE_DEVICES=$GPU timeout 560 python -m pytest -q -p no:cacheprovider tests/integration/test_train_single.py tests/unit/test_dit.py -k "cuda_graphs_train_like_the_eager_path_with_accumulation or compose_on_cuda" --durations=3 2>&1 | tee -a "$OUT/suite.log" | tail -12;;
+  CUDA_VISIBLE_DEVICES=$GPU timeout 560 python -m pytest -q -p no:cacheprovider tests/integration/test_train_single.py tests/unit/test_dit_compile.py -k "cuda_graphs_train_like_the_eager_path_with_accumulation or compose_on_cuda" --durations=3 2>&1 | tee -a "$OUT/suite.log" | tail -12;;
 esac
 case ",$STEPS," in *,recipe768,*)
   echo "=== pfctl train, the 768p recipe on one GPU (checkpointing 0.75, compiled blocks), beside the reference's step (GPU $GPU; ~8 min)"
@@ -143,7 +143,7 @@ esac
 case ",$STEPS," in *,composetest,*)
   # session 21: 190 s a strategy, nearly all of it Dynamo's symbolic-shape reasoning (sympy) in the first trace
   echo "=== CUDA test: activation checkpointing + compiled blocks + FSDP2 against eager (GPU $GPU; ~7 min)"
-  CUDA_VISIBLE_DEVICES=$GPU timeout 560 python -m pytest -q -p no:cacheprovider tests/unit/test_dit.py -k compose_on_cuda --durations=3 2>&1 | tee -a "$OUT/suite.log" | tail -40;;
+  CUDA_VISIBLE_DEVICES=$GPU timeout 560 python -m pytest -q -p no:cacheprovider tests/unit/test_dit_compile.py -k compose_on_cuda --durations=3 2>&1 | tee -a "$OUT/suite.log" | tail -40;;
 esac
 case ",$STEPS," in *,gen2gpu,*)
   # issue 29: one video on 1 and 2 GPUs (CFG halves on two ranks), 768p then 384p (~6 min on 2 GPUs)
