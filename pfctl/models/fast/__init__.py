@@ -10,7 +10,8 @@ order (``parallelize.py``):
    autograd Functions (:mod:`.autograd`), the VAE's fused GroupNorm kernels (:mod:`.vae_norm`), and, for
    compiled blocks, row-group attention outside the compiled graph (:mod:`.row_groups`);
 2. activation checkpointing per block (:mod:`.checkpointing`);
-3. ``torch.compile`` per block (:mod:`.compile`);
+3. ``torch.compile`` per block (:mod:`.compile`; recorded as CUDA graphs, with the trees' alias check
+   indexed, :mod:`.graph_trees`);
 4. (sharding: the trainer's, through accelerate).
 
 Whether a Triton kernel can run is decided once, here: a kernel that does not compile is left out with one

@@ -57,7 +57,8 @@ def compile_blocks(
     ``cuda_graphs`` (training): each compiled block forward and backward is also recorded as a CUDA graph
     per token count and replayed (``mode="reduce-overhead"``), so a step costs the host a few launches per
     block instead of hundreds. The caller marks each forward as a new step
-    (``torch.compiler.cudagraph_mark_step_begin``): what the last one left may then be overwritten."""
+    (``torch.compiler.cudagraph_mark_step_begin``): what the last one left may then be overwritten. The
+    recording then asks its alias question from an index (:func:`.graph_trees.index_recorded_outputs`)."""
     import torch._inductor.config as inductor_config
 
     # inductor's coalescing analysis (a tiling heuristic: speed, not results) asserted on dynamic-shape
@@ -72,6 +73,11 @@ def compile_blocks(
 
         shape_config.use_duck_shape = False
     from pfctl.models.fast import swap_class
+
+    if cuda_graphs:
+        from pfctl.models.fast.graph_trees import index_recorded_outputs
+
+        index_recorded_outputs()
 
     mode = "reduce-overhead" if cuda_graphs else None
     for block in blocks:
