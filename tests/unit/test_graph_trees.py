@@ -106,3 +106,13 @@ def test_compiled_blocks_with_graphs_index_the_trees(trees) -> None:
     compile_blocks([nn.Linear(2, 2)], "eager", cuda_graphs=True)
     assert trees.CUDAGraphNode._pfctl_indexed
     assert graph_trees.index_recorded_outputs()  # once per process: a second call changes nothing
+
+
+def test_compiled_blocks_say_when_the_trees_cannot_be_indexed(monkeypatch, capsys) -> None:
+    from pfctl.models.fast.compile import compile_blocks
+
+    monkeypatch.setattr(graph_trees, "index_recorded_outputs", lambda: False)  # a PyTorch whose trees differ
+    compile_blocks([nn.Linear(2, 2)], "eager", cuda_graphs=True)
+    assert "their own alias scan" in capsys.readouterr().out
+    compile_blocks([nn.Linear(2, 2)], "eager", cuda_graphs=False)  # no graphs: nothing to say
+    assert "alias scan" not in capsys.readouterr().out

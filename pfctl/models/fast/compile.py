@@ -77,7 +77,13 @@ def compile_blocks(
     if cuda_graphs:
         from pfctl.models.fast.graph_trees import index_recorded_outputs
 
-        index_recorded_outputs()
+        if not index_recorded_outputs():
+            from pfctl.runtime import logging as pflog
+
+            pflog.warn(
+                "CUDA-graph recording: this PyTorch's graph trees lack what pfctl's index of their outputs "
+                "relies on; recording uses their own alias scan (a longer warm-up)"
+            )
 
     mode = "reduce-overhead" if cuda_graphs else None
     for block in blocks:
