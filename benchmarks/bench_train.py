@@ -40,6 +40,8 @@ What it prints (per process, the slowest / the mean over processes):
         --set model.dit_preset=tiny --frames 2 --height 8 --width 8     # CPU smoke run
     python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --progress \\
         --inductor triton.slow_path_cudagraph_asserts=False             # a warm-up experiment
+    python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --host-profile 15
+                                                                        # where the warm-up's host time goes
 """
 
 from __future__ import annotations
@@ -150,6 +152,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--profile", action="store_true", help="print the top ops of one profiled step")
     parser.add_argument("--progress", action="store_true", help="print each step's time as it ends")
+    parser.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="sample the Python threads' stacks every 20 ms during the steps and print the N functions that "
+        "took the most host time per phase (step 1, the rest of the warm-up, the timed steps) and thread",
+    )
     parser.add_argument("--no-checkpoint", action="store_true", help="skip the timed checkpoint save")
     parser.add_argument(
         "--inductor",
@@ -295,8 +305,11 @@ class Timings:
     metrics: dict = field(default_factory=dict)
 
 
-def run_steps(trainer: Any, setting: Setting, dims: dict) -> Timings:
-    """The training loop's body (step, loss, logging) ``warmup + steps`` times, each step timed."""
+def run_steps(
+    trainer: Any, setting: Setting, dims: dict, phase: Callable[[str], None] | None = None
+) -> Timings:
+    """The training loop's body (step, loss, logging) ``warmup + steps`` times, each step timed; ``phase`` is
+    told the phase each step starts (:func:`step_phase`)."""
     import torch
 
     from pfctl.training.plan import column_tokens
@@ -305,6 +318,8 @@ def run_steps(trainer: Any, setting: Setting, dims: dict) -> Timings:
     trainer.write_assignment = records.append  # keep the per-forward records in memory
     out, cuda = Timings(), setting.cuda
     for i in range(setting.steps + setting.warmup):
+        if phase is not None:
+            phase(step_phase(i, setting.warmup))
         records.clear()
         if cuda:
             torch.cuda.synchronize()
@@ -366,6 +381,15 @@ def parameter_counts(trainer: Any) -> tuple[int, int]:
     return total, sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefixes))
 
 
+def step_phase(index: int, warmup: int) -> str:
+    """The phase of the step at 0-based ``index``: the first step, the rest of the warm-up, or timed."""
+    if index == 0:
+        return "step 1"
+    if index >= warmup:
+        return "timed steps"
+    return f"steps 2-{warmup} (warm-up)" if warmup > 2 else "step 2 (warm-up)"
+
+
 def profile_step(trainer: Any, cuda: bool) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -398,7 +422,15 @@ def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tup
     trainer.setup()
     dims = dit_dims(config)
     params, recomputed = parameter_counts(trainer)
-    t = run_steps(trainer, setting, dims)
+    if args.host_profile:
+        from host_sampler import HostSampler
+
+        with HostSampler() as sampler:
+            t = run_steps(trainer, setting, dims, sampler.phase)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(sampler.report(args.host_profile))
+    else:
+        t = run_steps(trainer, setting, dims)
     if setting.cuda:
         torch.cuda.synchronize()
     tic = time.perf_counter()

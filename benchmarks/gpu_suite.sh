@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite in one call (2x H200: single-GPU benchmarks on GPU 0, then the
 # 2-process sync-group run and the FSDP tests on both). Results: $OUT (or ./bench-out).
-# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,refgen768,gen768,gen768skip,gen768prof,attention,traingraphs,rowgroups,lowmem,fp8,refgen1,recipe384,graphtests,recipe768,warmupasserts,recipe768prof,composetest,recipe384warm,gen2gpu,lowmem768]
+# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,refgen768,gen768,gen768skip,gen768prof,attention,traingraphs,rowgroups,lowmem,fp8,refgen1,recipe384,graphtests,recipe768,warmupprof,recipe768prof,composetest,recipe384warm,gen2gpu,lowmem768]
 # (LAYOUTS=channels_last_unfused,channels_last picks the VAE layouts the vae steps time)
 # (TRAIN_VARIANTS=efficient,efficient+compile+skip picks the pfctl variants the trainvariants step times)
 # (reference: needs a Pyramid-Flow checkout in third_party/Pyramid-Flow and einops; not in the default list)
@@ -120,10 +120,10 @@ case ",$STEPS," in *,recipe384,*)
   echo "=== pfctl train, the 384p recipe as shipped, beside the reference's step (GPU $GPU; ~8 min)"
   CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --reference third_party/Pyramid-Flow --warmup 18 --steps 10 --progress --compile-times --json "$OUT/recipe384.json" 2>&1 | tee -a "$OUT/suite.log" | tail -40;;
 esac
-case ",$STEPS," in *,warmupasserts,*)
-  # session 17: inputs' first occurrences took ~2.8 s a step and recordings ~10 s; is it cudagraph trees' slow-path asserts (gc + sync)?
-  echo "=== the 384p recipe's warm-up without Inductor's slow-path CUDA-graph asserts (GPU $GPU; ~6 min)"
-  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --warmup 18 --steps 6 --progress --no-checkpoint --inductor triton.slow_path_cudagraph_asserts=False --json "$OUT/warmupasserts.json" 2>&1 | tee -a "$OUT/suite.log" | tail -40;;
+case ",$STEPS," in *,warmupprof,*)
+  # session 22: the graph trees' alias check took most of the recording steps' host time (fixed); what is left?
+  echo "=== the 384p recipe's warm-up, host time per phase and thread (GPU $GPU; ~5 min)"
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --warmup 17 --steps 3 --progress --no-checkpoint --host-profile 15 --json "$OUT/warmupprof.json" 2>&1 | tee -a "$OUT/suite.log" | grep -E "^(bench step|warm-up|host samples|  (inclusive|leaf)|steady|time to)" | tail -150;;
 esac
 case ",$STEPS," in *,graphtests,*)
   # (no faulthandler stack dumps: on the GPU machine's Python 3.12 the dump itself crashed the process)

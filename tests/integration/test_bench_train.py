@@ -8,6 +8,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -71,3 +73,46 @@ def test_recipe_runs_the_whole_trainer_on_the_cpu(tmp_path: Path) -> None:
     assert rows["time to steady state"].endswith("within 10%)")
     assert "GiB RSS" in rows["peak memory (timed steps)"] and rows["checkpoint save (not timed above)"].endswith(" s")
     assert "steady step time (median)" in proc.stdout
+
+
+def _spin(seconds: float) -> None:
+    """Busy Python for ``seconds`` (what the host sampler must see as running)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        sum(range(100))
+
+
+def test_host_sampler_files_each_phase_and_thread_under_its_own_name() -> None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from host_sampler import HostSampler
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    with HostSampler(interval=0.005) as sampler:
+        sampler.phase("first")
+        _spin(0.3)
+        sampler.phase("second")
+        worker = threading.Thread(target=_spin, args=(0.3,), name="spinner")
+        worker.start()
+        worker.join()
+    totals = sampler.totals()
+    spin = (__file__, "_spin")
+    first, second = totals[("first", "MainThread")], totals[("second", "spinner")]
+    # the sampler's own wake-ups are late on a busy machine, never early: at least most of each spin is seen
+    assert first[0] >= 0.2 and first[1][spin] >= 0.2 and first[2][spin] >= 0.2  # total, inclusive, leaf
+    assert second[1][spin] >= 0.2
+    assert ("second", "MainThread") not in totals or totals[("second", "MainThread")][1][spin] < 0.1
+    assert "host samples: first, MainThread" in sampler.report(top=3)
+
+
+def test_bench_prints_the_host_profile_per_phase(tmp_path: Path) -> None:
+    bench = _bench()
+    assert [bench.step_phase(i, 4) for i in range(5)] == ["step 1"] + ["steps 2-4 (warm-up)"] * 3 + ["timed steps"]
+    assert bench.step_phase(1, 2) == "step 2 (warm-up)"
+    # a tiny CPU step takes about one sampling interval: only the 20 timed steps are sure to be sampled
+    cmd = [sys.executable, str(SCRIPT), "--steps", "20", "--warmup", "1", "--no-checkpoint", "--host-profile", "30"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    timed = proc.stdout.split("host samples: timed steps, MainThread:")[1].split("host samples:")[0]
+    assert "pfctl/training/trainer.py:train_step" in timed
