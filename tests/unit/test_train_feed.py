@@ -43,5 +43,6 @@ def test_prefetched_batches_are_assembled_off_the_main_thread_and_equal_loaded_o
         for name in ("latents", "prompt_embeds", "prompt_attention_mask", "pooled_prompt_embeds"):
             assert torch.equal(getattr(got, name), getattr(expected, name)), (step, name)
         assert got.text_lengths is not None
+    feed.ahead.batch.result()  # the last prefetch assembles in the background: wait before counting
     assert threads[0] == threading.current_thread().name
     assert all(name.startswith("pfctl-batch") for name in threads[1:]) and len(threads) == 5
