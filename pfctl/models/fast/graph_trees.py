@@ -24,7 +24,7 @@ __all__ = ["index_outputs", "index_recorded_outputs", "live_output_on_storage"]
 
 _INDEX = "_pfctl_outputs_by_storage"  # the index of a node, while one of the wrapped methods runs
 _ABSENT = object()
-_NEEDS = ("_is_alias_of_live_recorded_tensor", "_add_first_outputs", "__init__")
+_NEEDS = ("_is_alias_of_live_recorded_tensor", "_add_first_outputs")  # the methods it replaces or wraps
 
 
 def live_output_on_storage(
