@@ -52,11 +52,22 @@ class HostSampler:
         while not self._stop.wait(self.interval):
             now = time.perf_counter()
             names = {t.ident: t.name for t in threading.enumerate()}
-            for ident, frame in sys._current_frames().items():
-                if ident != own:  # a thread Python did not start (the autograd engine's): no name
-                    thread = names.get(ident, "threads started outside Python")
-                    self.samples.append((self.current, thread, now - last, self._stack(frame)))
+            for ident, stack in self._stacks(own).items():
+                # a thread Python did not start (the autograd engine's): no name
+                thread = names.get(ident, "threads started outside Python")
+                self.samples.append((self.current, thread, now - last, stack))
             last = now
+
+    def _stacks(self, own: int) -> dict[int, tuple[Function, ...]]:
+        """Every other thread's stack as names, no frame object kept: a frame held past its function's return
+        keeps that function's locals alive (a CUDA graph tree then finds a tensor of its pool that no output
+        accounts for). The walk keeps the interpreter on this thread, so no frame returns while it is held."""
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(1.0)
+        try:
+            return {i: self._stack(f) for i, f in sys._current_frames().items() if i != own}
+        finally:
+            sys.setswitchinterval(switch)
 
     def _stack(self, frame: FrameType | None) -> tuple[Function, ...]:
         stack = []

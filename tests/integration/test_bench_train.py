@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,29 @@ def test_host_sampler_files_each_phase_and_thread_under_its_own_name() -> None:
     assert second[1][spin] >= 0.2
     assert ("second", "MainThread") not in totals or totals[("second", "MainThread")][1][spin] < 0.1
     assert "host samples: first, MainThread" in sampler.report(top=3)
+
+
+class _Token:
+    pass
+
+
+def _hold_while_sampled(seconds: float) -> weakref.ref:
+    token = _Token()
+    _spin(seconds)
+    return weakref.ref(token)
+
+
+def test_host_sampler_keeps_no_returned_function_alive() -> None:
+    """A stack sample holds no frame once taken: a held frame keeps its function's locals alive after the return
+    (on CUDA a graph tree then counted a tensor of its pool that no output explained, and the run failed)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from host_sampler import HostSampler
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    with HostSampler(interval=0.002) as sampler:
+        alive = [_hold_while_sampled(0.01)() is not None for _ in range(30)]
+    assert sampler.samples and not any(alive)
 
 
 def test_bench_prints_the_host_profile_per_phase(tmp_path: Path) -> None:
