@@ -26,8 +26,8 @@ What it prints (per process, the slowest / the mean over processes):
   alone does not make a step host-bound: ``--profile`` prints the GPU's busy time in one profiled step;
 * peak memory (CUDA: the largest allocation peak of a timed step, the trainer resetting it every step, and
   that of the warm-up; CPU: the process's peak RSS);
-* time to steady state: from the first step's start to the end of the first step at which the median
-  of the last 5 step times is within 10% of the final median (compilation and recording included);
+* time to steady state: from the first step's start to the end of the first step from which on the median
+  of the last 5 step times stays within 10% of the steady step time (compilation and recording included);
 * the checkpoint: the time the loop waits for it (a host copy when written in the background, the CUDA
   default) and the time until it is committed.
 
@@ -99,16 +99,19 @@ def counting_syncs(step: Callable[[], Any]) -> tuple[Any, int]:
     return result, sum("synchronizing" in str(w.message) for w in caught)
 
 
-def time_to_steady(times: list[float]) -> tuple[int, float]:
-    """(1-based step, seconds from the first step's start to its end) of the first step at which the median
-    of the last :data:`STEADY_WINDOW` step times is within :data:`STEADY_WITHIN` of the final median (the
-    median of the last half of the steps)."""
-    final = statistics.median(times[len(times) // 2 :])
-    for i in range(len(times)):
-        window = times[max(0, i + 1 - STEADY_WINDOW) : i + 1]
-        if abs(statistics.median(window) - final) <= STEADY_WITHIN * final:
-            return i + 1, sum(times[: i + 1])
-    return len(times), sum(times)
+def time_to_steady(times: list[float], steady: float) -> tuple[int, float]:
+    """(1-based step, seconds from the first step's start to its end) of the first step from which on the
+    median of the last :data:`STEADY_WINDOW` step times stays within :data:`STEADY_WITHIN` of ``steady`` (the
+    steady step time: the timed steps' median)."""
+    near = [
+        abs(statistics.median(times[max(0, i + 1 - STEADY_WINDOW) : i + 1]) - steady) <= STEADY_WITHIN * steady
+        for i in range(len(times))
+    ]
+    first = len(times)
+    while first > 0 and near[first - 1]:
+        first -= 1
+    step = min(first + 1, len(times))
+    return step, sum(times[:step])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -468,7 +471,7 @@ def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tup
     step_s = statistics.median(step_max[i] for i in timed)
     seconds = sum(step_max[i] for i in timed)
     tok_s = sum(tokens[i] for i in timed) / seconds
-    steady_step, steady_s = time_to_steady(step_max)
+    steady_step, steady_s = time_to_steady(step_max, step_s)
     rate = next((v for k, v in PEAK_BF16.items() if k in device_name), None) if setting.cuda else None
 
     def util(flops_per_token: float) -> str:
