@@ -1,4 +1,4 @@
-"""The indexed alias question of Inductor's CUDA-graph trees gives the trees' own answer (CPU: fake paths)."""
+"""The indexed questions of Inductor's CUDA-graph trees give the trees' own answers (CPU: fake paths)."""
 
 from __future__ import annotations
 
@@ -66,8 +66,9 @@ def trees():
     return cudagraph_trees
 
 
-def test_the_index_answers_as_the_trees_scan(trees) -> None:
-    question = trees.CUDAGraphNode._is_alias_of_live_recorded_tensor
+@pytest.mark.parametrize("name", ["_is_alias_of_live_recorded_tensor", "_is_cuda_graph_recorded_tensor"])
+def test_the_index_answers_as_the_trees_scan(trees, name: str) -> None:
+    question = getattr(trees.CUDAGraphNode, name)
     rng = random.Random(0)
     answers = set()
     for _ in range(300):
@@ -78,7 +79,7 @@ def test_the_index_answers_as_the_trees_scan(trees) -> None:
             indexed = question(node, _Tensor(ptr))
             del node.__dict__[graph_trees._INDEX]
             assert indexed == scanned
-            answers.add(scanned is None)
+            answers.add(scanned in (None, False))
     assert answers == {True, False}  # both kinds of answer were compared
 
 
@@ -87,14 +88,15 @@ def test_the_index_lives_for_one_call_and_nests(trees) -> None:
 
     def method(node, inner: bool) -> None:
         seen.append(node.__dict__[graph_trees._INDEX])
-        trees.CUDAGraphNode._is_alias_of_live_recorded_tensor(node, _Tensor(0))
-        built = node.__dict__[graph_trees._INDEX]
+        assert not trees.CUDAGraphNode._is_cuda_graph_recorded_tensor(node, _Tensor(512))
         if inner:
-            wrapped(node, False)  # a fresh index inside, the outer one back after
-            assert node.__dict__[graph_trees._INDEX] is built
+            wrapped(node, False)  # a fresh index inside, which sees what the inner call added
+            assert trees.CUDAGraphNode._is_cuda_graph_recorded_tensor(node, _Tensor(512))  # rebuilt after
+        else:
+            node.path_weakrefs[-1].append(_Ref(512, True))  # as recording adds the node's first outputs
 
     wrapped = graph_trees._indexed_while(method)
-    node = _Node([[_Ref(0, True)]])
+    node = _Node([[_Ref(0, True)], []])
     wrapped(node, True)
     assert seen == [None, None]
     assert graph_trees._INDEX not in node.__dict__
