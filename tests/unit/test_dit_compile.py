@@ -198,6 +198,26 @@ def test_compiled_blocks_take_their_float_attributes_as_constants() -> None:
     assert graphs and not scalars, scalars
 
 
+def test_compiled_training_blocks_trace_without_the_fake_tensor_cache(monkeypatch) -> None:
+    """Blocks compiled with every size dynamic (training) trace without the fake-tensor cache, whose hits
+    rebuilt symbolic sizes more slowly than a fresh computation: none is looked up while a step is traced."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pfctl.models.fast import FastPaths, apply_fast_paths
+
+    monkeypatch.setattr(torch._dynamo.config, "fake_tensor_cache_enabled", True)  # PyTorch's default
+    model = build("flux", num_layers=1, num_single_layers=1).train()
+    torch._dynamo.reset()
+    before = FakeTensorMode.cache_info()
+    try:
+        apply_fast_paths(model, FastPaths(PLAIN, compile=True, compile_backend="eager", independent_sizes=True))
+        sum(o.square().mean() for o in model(**inputs(seed=0))).backward()
+    finally:
+        torch._dynamo.reset()
+    after = FakeTensorMode.cache_info()
+    assert (after.hits, after.misses) == (before.hits, before.misses)
+
+
 def _to(args: dict, device: str) -> dict:
     def move(v):
         return [move(x) for x in v] if isinstance(v, list) else v.to(device)

@@ -68,6 +68,10 @@ def compile_blocks(
     # passes each as a 0-dim CPU tensor, and on CUDA under FSDP2 and checkpointing Inductor then generated
     # CPU code for a block
     torch._dynamo.config.specialize_float = True
+    if dynamic is True:
+        # with every size symbolic, a hit of the fake-tensor cache rebuilds its output's sizes from their
+        # symbolic expressions, which takes longer than computing them again (benchmarks/RESULTS.md)
+        torch._dynamo.config.fake_tensor_cache_enabled = False
     if independent_sizes:
         import torch.fx.experimental._config as shape_config
 
