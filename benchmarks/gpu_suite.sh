@@ -121,7 +121,8 @@ case ",$STEPS," in *,recipe384,*)
   CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --reference third_party/Pyramid-Flow --warmup 18 --steps 10 --progress --compile-times --json "$OUT/recipe384.json" 2>&1 | tee -a "$OUT/suite.log" | tail -40;;
 esac
 case ",$STEPS," in *,warmupprof,*)
-  # session 22: the graph trees' alias check took most of the recording steps' host time (fixed); what is left?
+  # session 23: step 1 ~105-115 s cold (fake-tensor cache, sympy), recording steps ~36 s (the trees' second scan);
+  # both addressed after that run (RESULTS.md, session 23): how long are they now?
   echo "=== the 384p recipe's warm-up, host time per phase and thread (GPU $GPU; ~5 min)"
   CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --warmup 17 --steps 3 --progress --no-checkpoint --host-profile 15 --json "$OUT/warmupprof.json" 2>&1 | tee -a "$OUT/suite.log" | grep -E "^(bench step|warm-up|host samples|  (inclusive|leaf)|steady|time to)" | tail -150;;
 esac
