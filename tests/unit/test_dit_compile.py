@@ -198,24 +198,49 @@ def test_compiled_blocks_take_their_float_attributes_as_constants() -> None:
     assert graphs and not scalars, scalars
 
 
-def test_compiled_training_blocks_trace_without_the_fake_tensor_cache(monkeypatch) -> None:
+def test_compiled_training_blocks_trace_without_the_fake_tensor_cache() -> None:
     """Blocks compiled with every size dynamic (training) trace without the fake-tensor cache, whose hits
     rebuilt symbolic sizes more slowly than a fresh computation: none is looked up while a step is traced."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from pfctl.models.fast import FastPaths, apply_fast_paths
 
-    monkeypatch.setattr(torch._dynamo.config, "fake_tensor_cache_enabled", True)  # PyTorch's default
     model = build("flux", num_layers=1, num_single_layers=1).train()
     torch._dynamo.reset()
     before = FakeTensorMode.cache_info()
     try:
-        apply_fast_paths(model, FastPaths(PLAIN, compile=True, compile_backend="eager", independent_sizes=True))
-        sum(o.square().mean() for o in model(**inputs(seed=0))).backward()
+        with torch._dynamo.config.patch(fake_tensor_cache_enabled=True):  # PyTorch's default, back after
+            apply_fast_paths(model, FastPaths(PLAIN, compile=True, compile_backend="eager", independent_sizes=True))
+            sum(o.square().mean() for o in model(**inputs(seed=0))).backward()
     finally:
         torch._dynamo.reset()
     after = FakeTensorMode.cache_info()
     assert (after.hits, after.misses) == (before.hits, before.misses)
+
+
+def test_compiled_blocks_with_lean_autograd_are_cacheable_by_aot_autograd() -> None:
+    """The lean autograd Functions are in the compiled blocks' graphs, and AOTAutograd's on-disk cache takes such
+    graphs only when asked to: compiled blocks ask, so a later run does not trace their joint graphs again."""
+    from torch._functorch._aot_autograd.autograd_cache import check_cacheable
+
+    from pfctl.models.fast import FastPaths, apply_fast_paths
+
+    checked: list[str] = []
+
+    def checking(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        check_cacheable(gm)  # raises (BypassAOTAutogradCache) for a graph the cache would not take
+        checked.append(gm.code)
+        return gm.forward
+
+    model = build("flux", num_layers=1, num_single_layers=1).train()
+    torch._dynamo.reset()
+    try:  # PyTorch's default, back after
+        with torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=False):
+            apply_fast_paths(model, FastPaths(compile=True, compile_backend=checking, independent_sizes=True))
+            sum(o.square().mean() for o in model(**inputs(seed=0))).backward()
+    finally:
+        torch._dynamo.reset()
+    assert checked and any("autograd_function_apply" in code for code in checked)
 
 
 def _to(args: dict, device: str) -> dict:

@@ -68,10 +68,14 @@ def compile_blocks(
     # passes each as a 0-dim CPU tensor, and on CUDA under FSDP2 and checkpointing Inductor then generated
     # CPU code for a block
     torch._dynamo.config.specialize_float = True
+    # graphs that hold the blocks' autograd Functions (fast.lean_autograd) in AOTAutograd's on-disk cache, so a
+    # later run skips tracing their joint graphs. PyTorch leaves such graphs out by default until it has tried
+    # more models; the Functions' forward and backward are traced into the graph that keys the cache.
+    _set_known(torch._functorch.config, "autograd_cache_allow_custom_autograd_functions", True)
     if dynamic is True:
         # with every size symbolic, a hit of the fake-tensor cache rebuilds its output's sizes from their
         # symbolic expressions, which takes longer than computing them again (benchmarks/RESULTS.md)
-        torch._dynamo.config.fake_tensor_cache_enabled = False
+        _set_known(torch._dynamo.config, "fake_tensor_cache_enabled", False)
     if independent_sizes:
         import torch.fx.experimental._config as shape_config
 
@@ -96,6 +100,12 @@ def compile_blocks(
         own_forward = block.forward  # the model's forward, bound to this block
         swap_class(block, CompiledForward)
         block._compiled_forward = torch.compile(own_forward, dynamic=dynamic, backend=backend, mode=mode)
+
+
+def _set_known(config: Any, name: str, value: object) -> None:
+    """Set a compiler option this PyTorch has (an older one lacks some: their default stays)."""
+    if hasattr(config, name):
+        setattr(config, name, value)
 
 
 def compiler_missing() -> str | None:
