@@ -85,6 +85,10 @@ def compile_blocks(
     if cuda_graphs:
         from pfctl.models.fast.graph_trees import index_recorded_outputs
 
+        # one recording per token count is the design (the trainer's log lists the counts a rank builds):
+        # PyTorch's warning past 8 sizes, once per compiled graph and with advice that does not apply, stays off
+        _set_known(inductor_config.triton, "cudagraph_dynamic_shape_warn_limit", None)
+
         if not index_recorded_outputs():
             from pfctl.runtime import logging as pflog
 
