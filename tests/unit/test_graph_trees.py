@@ -103,8 +103,8 @@ def test_the_index_lives_for_one_call_and_nests(trees) -> None:
 
 
 def test_compiled_blocks_with_graphs_index_the_trees(trees) -> None:
-    """... and silence PyTorch's warning about recording many sizes (one per graph past 8 token counts): the
-    trainer's log lists the counts a rank records."""
+    """Compiled blocks with graphs index the trees, and silence PyTorch's warning about recording many sizes (one
+    per graph past 8 token counts): the trainer's log lists the counts a rank records."""
     import torch._inductor.config as inductor_config
 
     from pfctl.models.fast.compile import compile_blocks
