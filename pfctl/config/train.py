@@ -205,6 +205,11 @@ class TrainConfig(Section):
     is recorded once, so the warm-up grows with the number of inputs a rank builds (the log lists them).
     Held-out losses and validation samples run the blocks eagerly. ``true`` refuses gradient checkpointing
     and FSDP over several processes."""
+    gc_every: int = Field(default=50, ge=0)
+    """Python's cyclic garbage collection during training: its automatic passes off, everything collected
+    once when the warm-up ends and the young objects every N steps (torchtitan's ``gc_freq``), so no pass over
+    the objects the compiler and the CUDA-graph recordings leave stalls a step at a random moment. Objects
+    outside reference cycles (tensors included) are still freed at once. 0: Python's automatic collection."""
 
     # --- checkpoints ----------------------------------------------------------------------------
     checkpoint_every: int = Field(default=1000, ge=1)

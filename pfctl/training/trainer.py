@@ -46,6 +46,7 @@ from pfctl.flow.pyramid import (
 from pfctl.flow.scheduler import PyramidFlowScheduler
 from pfctl.runtime import faults, sharding
 from pfctl.runtime import logging as pflog
+from pfctl.runtime.collector import Collector
 from pfctl.training import checkpoint as ckpt
 from pfctl.training.build import build_model, load_optimizer_state, optimizer_state, shard_dit
 from pfctl.training.data import (
@@ -108,6 +109,7 @@ class Trainer:
         self.data_seconds = 0.0  # host time spent loading batches in the current step
         self.wait_seconds = 0.0  # host time the current step spent waiting for the GPU (its one read)
         self.warmup: WarmupWatch | None = None  # compiled blocks: the warm-up in the log
+        self.collector: Collector | None = None  # Python's garbage collection at step boundaries (train.gc_every)
         self.saver: ckpt.BackgroundSaver | None = None  # checkpoints written in the background
 
     # ------------------------------------------------------------------------------------------
@@ -176,6 +178,8 @@ class Trainer:
         """
         cfg, acc, world = self.cfg, self.runtime.accelerator, self.runtime.world_size
         tic = time.perf_counter()
+        if self.collector is None:  # automatic collection off from the first step until close()
+            self.collector = Collector(cfg.gc_every)
         lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses
         self.model.train()
         faults.fault("train_step", rank=self.runtime.rank, step=self.step + 1)  # test hook
@@ -198,6 +202,7 @@ class Trainer:
         self.tokens_seen += int(tokens)
         if self.warmup is not None:
             self.warmup.after_step(self.step, time.perf_counter())
+        self.collector.after_step(self.step, warm=self.warmup is None or self.warmup.done)
         seconds = time.perf_counter() - tic
         return self.step_metrics(seconds, tokens) | {
             "step": self.step,
@@ -733,6 +738,8 @@ class Trainer:
         return samples
 
     def close(self) -> None:
+        if self.collector is not None:
+            self.collector.close()
         if self.saver is not None:  # a failed run still completes the save in flight
             try:
                 self.saver.wait()

@@ -350,3 +350,23 @@ def test_cuda_graphs_train_like_the_eager_path_with_accumulation(cache: Path, tm
     # (the defect this guards against stopped the second micro-batch's backward with an error); bf16 rounds
     # each product's inputs to 8 bits (2^-8 relative) and the two paths fuse differently
     assert runs["fast"] == pytest.approx(runs["eager"], rel=2e-2)
+
+
+@pytest.mark.parametrize("every", [2, 0])
+def test_garbage_is_collected_at_step_boundaries_during_training(cache: Path, tmp_path: Path, every: int) -> None:
+    """``train.gc_every``: Python's automatic collection is off from the first step until the trainer closes
+    (0: left on), and the state it had comes back."""
+    import gc
+
+    from pfctl.training.trainer import Trainer
+
+    trainer = Trainer(config(cache, tmp_path, max_steps=3, gc_every=every, export=False))
+    trainer.setup()
+    try:
+        assert gc.isenabled()
+        for _ in range(3):
+            trainer.train_step()
+            assert gc.isenabled() == (every == 0)
+    finally:
+        trainer.close()
+    assert gc.isenabled()
