@@ -47,7 +47,10 @@ What it prints (per process, the slowest / the mean over processes):
 from __future__ import annotations
 
 import argparse
+import collections
+import gc
 import json
+import logging
 import math
 import os
 import statistics
@@ -163,6 +166,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="sample the Python threads' stacks every 20 ms during the steps and print the N functions that "
         "took the most host time per phase (step 1, the rest of the warm-up, the timed steps) and thread",
     )
+    parser.add_argument(
+        "--host-phase-ends",
+        default="",
+        metavar="N,M",
+        help="with --host-profile: the warm-up steps after which a phase of its own ends (e.g. 8: each input's "
+        "first occurrence on one GPU, before the recordings)",
+    )
     parser.add_argument("--no-checkpoint", action="store_true", help="skip the timed checkpoint save")
     parser.add_argument(
         "--inductor",
@@ -217,6 +227,7 @@ class Setting:
     steps: int
     warmup: int
     progress: bool = False
+    phase_ends: tuple[int, ...] = ()  # --host-phase-ends
 
 
 def plan_setting(args: argparse.Namespace, world: int) -> tuple[Any, Setting]:
@@ -267,7 +278,8 @@ def plan_setting(args: argparse.Namespace, world: int) -> tuple[Any, Setting]:
     overrides.append("train.skip_loss_above=null")  # random weights: every update is applied (and timed)
     config = load_config(args.recipe, [*overrides, *args.overrides])
     progress = args.progress and int(os.environ.get("RANK", "0")) == 0
-    return config, Setting(cuda, frames, height, width, 128 if cuda else 8, steps, warmup, progress)
+    ends = tuple(int(end) for end in args.host_phase_ends.split(",") if end)
+    return config, Setting(cuda, frames, height, width, 128 if cuda else 8, steps, warmup, progress, ends)
 
 
 def dit_dims(config: Any) -> dict[str, Any]:
@@ -304,6 +316,8 @@ class Timings:
     tokens: list[int] = field(default_factory=list)
     analytic: list[float] = field(default_factory=list)
     peak: list[float] = field(default_factory=list)  # CUDA: the step's peak allocation (the trainer's metric)
+    gc: list[float] = field(default_factory=list)  # seconds Python's garbage collector ran in the step
+    gc_full: list[int] = field(default_factory=list)  # its full passes (every generation) in the step
     syncs: int | None = None
     metrics: dict = field(default_factory=dict)
 
@@ -313,48 +327,114 @@ def run_steps(
 ) -> Timings:
     """The training loop's body (step, loss, logging) ``warmup + steps`` times, each step timed; ``phase`` is
     told the phase each step starts (:func:`step_phase`)."""
+    records: list[dict] = []
+    trainer.write_assignment = records.append  # keep the per-forward records in memory
+    out = Timings()
+    with GCPauses() as pauses:
+        for i in range(setting.steps + setting.warmup):
+            seconds, full = pauses.seconds, pauses.full
+            run_step(trainer, setting, dims, i, out, records, phase)
+            out.gc.append(pauses.seconds - seconds)
+            out.gc_full.append(pauses.full - full)
+    return out
+
+
+class CacheBypasses(logging.Handler):
+    """Why AOTAutograd's on-disk cache was bypassed or could not store or load a graph (its log: such a graph is
+    traced again in every run), collected from construction until :meth:`close`."""
+
+    LOGGER = "torch._functorch._aot_autograd.autograd_cache"
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.reasons: collections.Counter[str] = collections.Counter()
+        logger = logging.getLogger(self.LOGGER)
+        self.level_before = logger.level
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "bypass" in message.lower() or "unable to" in message:
+            self.reasons[message[:400]] += 1
+
+    def close(self) -> None:
+        logger = logging.getLogger(self.LOGGER)
+        logger.removeHandler(self)
+        logger.setLevel(self.level_before)
+        super().close()
+
+
+class GCPauses:
+    """How long Python's cyclic garbage collector ran (in any thread: it holds the interpreter meanwhile),
+    and how many of its passes covered every generation; counted while registered (``with``)."""
+
+    def __init__(self) -> None:
+        self.seconds, self.full, self._start = 0.0, 0, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+            self.full += info["generation"] == 2
+
+    def __enter__(self) -> GCPauses:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+
+def run_step(
+    trainer: Any,
+    setting: Setting,
+    dims: dict,
+    i: int,
+    out: Timings,
+    records: list[dict],
+    phase: Callable[[str], None] | None,
+) -> None:
+    """Step ``i`` (0-based) of :func:`run_steps`, timed, its figures appended to ``out``."""
     import torch
 
     from pfctl.training.plan import column_tokens
 
-    records: list[dict] = []
-    trainer.write_assignment = records.append  # keep the per-forward records in memory
-    out, cuda = Timings(), setting.cuda
-    for i in range(setting.steps + setting.warmup):
-        if phase is not None:
-            phase(step_phase(i, setting.warmup))
-        records.clear()
-        if cuda:
-            torch.cuda.synchronize()
-        tic = time.perf_counter()
-        if cuda and i == setting.warmup - 1:  # the last warm-up step counts the host's waits for the GPU
-            metrics, out.syncs = counting_syncs(trainer.train_step)
-        else:
-            metrics = trainer.train_step()
-        trainer.losses.append(metrics["loss"])
-        if trainer.step % trainer.cfg.log_every == 0:
-            trainer.logs.metrics(trainer.step, metrics)
-        returned = time.perf_counter() - tic
-        if cuda:
-            torch.cuda.synchronize()
-        out.step.append(time.perf_counter() - tic)
-        if setting.progress:
-            print(f"bench step {i + 1}: {out.step[-1]:.3f} s", flush=True)
-        out.host.append(returned)
-        out.wait.append(metrics["gpu_wait_s"])
-        out.peak.append(metrics.get("peak_memory_gib", 0.0))
-        out.load.append(metrics["data_time_s"])  # the main thread's: drawing and waiting for batches
-        out.tokens.append(sum(r["tokens"] for r in records))
-        for rec in records:
-            f, h, w = rec["bucket"]
-            units = rec["units"]
-            rec["column_tokens"] = [
-                column_tokens(c["stage"], None if units is None else units[c["stage"]], f, h, w)
-                for c in rec["columns"]
-            ]
-        out.analytic.append(3 * dit_flops_per_forward(dims, records, setting.text_len))
-        out.metrics = metrics
-    return out
+    cuda = setting.cuda
+    if phase is not None:
+        phase(step_phase(i, setting.warmup, setting.phase_ends))
+    records.clear()
+    if cuda:
+        torch.cuda.synchronize()
+    tic = time.perf_counter()
+    if cuda and i == setting.warmup - 1:  # the last warm-up step counts the host's waits for the GPU
+        metrics, out.syncs = counting_syncs(trainer.train_step)
+    else:
+        metrics = trainer.train_step()
+    trainer.losses.append(metrics["loss"])
+    if trainer.step % trainer.cfg.log_every == 0:
+        trainer.logs.metrics(trainer.step, metrics)
+    returned = time.perf_counter() - tic
+    if cuda:
+        torch.cuda.synchronize()
+    out.step.append(time.perf_counter() - tic)
+    if setting.progress:
+        print(f"bench step {i + 1}: {out.step[-1]:.3f} s", flush=True)
+    out.host.append(returned)
+    out.wait.append(metrics["gpu_wait_s"])
+    out.peak.append(metrics.get("peak_memory_gib", 0.0))
+    out.load.append(metrics["data_time_s"])  # the main thread's: drawing and waiting for batches
+    out.tokens.append(sum(r["tokens"] for r in records))
+    for rec in records:
+        f, h, w = rec["bucket"]
+        units = rec["units"]
+        rec["column_tokens"] = [
+            column_tokens(c["stage"], None if units is None else units[c["stage"]], f, h, w)
+            for c in rec["columns"]
+        ]
+    out.analytic.append(3 * dit_flops_per_forward(dims, records, setting.text_len))
+    out.metrics = metrics
 
 
 def across_processes(values: list[float], op: str) -> list[float]:
@@ -384,13 +464,18 @@ def parameter_counts(trainer: Any) -> tuple[int, int]:
     return total, sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefixes))
 
 
-def step_phase(index: int, warmup: int) -> str:
-    """The phase of the step at 0-based ``index``: the first step, the rest of the warm-up, or timed."""
-    if index == 0:
-        return "step 1"
-    if index >= warmup:
+def step_phase(index: int, warmup: int, ends: tuple[int, ...] = ()) -> str:
+    """The phase of the step at 0-based ``index``: the first step, a part of the rest of the warm-up (``ends``:
+    the 1-based steps after which a part ends, besides the warm-up's last), or timed."""
+    step = index + 1
+    if step > warmup:
         return "timed steps"
-    return f"steps 2-{warmup} (warm-up)" if warmup > 2 else "step 2 (warm-up)"
+    bounds = sorted({1, warmup, *(end for end in ends if 1 < end < warmup)})
+    end = next(b for b in bounds if b >= step)
+    start = bounds[bounds.index(end) - 1] + 1 if end > 1 else 1
+    if start == end:
+        return f"step {end}" + (" (warm-up)" if end > 1 else "")
+    return f"steps {start}-{end} (warm-up)"
 
 
 def profile_step(trainer: Any, cuda: bool) -> None:
@@ -421,6 +506,7 @@ def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tup
 
     from pfctl.training.trainer import Trainer
 
+    bypasses = CacheBypasses()  # (reported with --compile-times)
     trainer = Trainer(config)
     trainer.setup()
     dims = dit_dims(config)
@@ -446,9 +532,14 @@ def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tup
     if args.profile:
         profile_step(trainer, setting.cuda)
     if args.compile_times:
-        from torch._dynamo.utils import compile_times
+        from torch._dynamo.utils import compile_times, counters
 
         print(compile_times(repr="str", aggregate=True))
+        caches = {f"{group}.{k}": v for group in ("aot_autograd", "inductor") for k, v in counters[group].items()}
+        print("compile caches:", {k: v for k, v in sorted(caches.items()) if "cache" in k})
+        for reason, times in bypasses.reasons.items():
+            print(f"AOTAutograd cache ({times}x): {reason}")
+        bypasses.close()
     if not setting.cuda:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     device_name = torch.cuda.get_device_name() if setting.cuda else "cpu"
@@ -505,12 +596,21 @@ def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tup
         # on CUDA train_step returns once the optimizer update is queued (the GPU may still run it)
         ("host busy fraction of the step", f"{statistics.median(host_max[i] / step_max[i] for i in timed):.0%}"),
         ("batch loading / step (host)", f"{statistics.median(load_max[i] for i in timed) * 1e3:.1f} ms"),
+        ("Python GC: step 1 / rest of warm-up / timed", gc_row(t, setting.warmup)),
         ("blocking host syncs / step", "n/a (counted on CUDA, in a warm-up step)" if t.syncs is None else str(t.syncs)),
         ("peak memory (timed steps)", peak),
         ("checkpoint save (not timed above)", "skipped (--no-checkpoint)" if args.no_checkpoint else f"{checkpoint_s:.2f} s in the loop, written after {written_s:.2f} s"),
         ("last loss", f"{t.metrics['loss']:.4f}"),
         ("step times (s, in order)", " ".join(f"{x:.2f}" for x in step_max)),
     ]  # fmt: skip
+
+
+def gc_row(t: Timings, warmup: int) -> str:
+    """Seconds the garbage collector ran in step 1, the rest of the warm-up and the timed steps (this process),
+    and its full passes."""
+    parts = [slice(0, 1), slice(1, warmup), slice(warmup, None)]
+    seconds = " / ".join(f"{sum(t.gc[p]):.2f}" for p in parts)
+    return f"{seconds} s ({' / '.join(str(sum(t.gc_full[p])) for p in parts)} full passes)"
 
 
 def reference_rows(root: Path, config: Any, setting: Setting, ours: dict[str, str]) -> list[tuple[str, str]]:

@@ -137,6 +137,9 @@ def test_bench_prints_the_host_profile_per_phase(tmp_path: Path) -> None:
     bench = _bench()
     assert [bench.step_phase(i, 4) for i in range(5)] == ["step 1"] + ["steps 2-4 (warm-up)"] * 3 + ["timed steps"]
     assert bench.step_phase(1, 2) == "step 2 (warm-up)"
+    split = [bench.step_phase(i, 6, (3,)) for i in range(7)]
+    assert split == ["step 1"] + ["steps 2-3 (warm-up)"] * 2 + ["steps 4-6 (warm-up)"] * 3 + ["timed steps"]
+    assert bench.step_phase(1, 6, (2, 9)) == "step 2 (warm-up)"
     # a tiny CPU step takes about one sampling interval: only the 20 timed steps are sure to be sampled
     cmd = [sys.executable, str(SCRIPT), "--steps", "20", "--warmup", "1", "--no-checkpoint", "--host-profile", "30"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
