@@ -218,10 +218,13 @@ def test_compiled_training_blocks_trace_without_the_fake_tensor_cache() -> None:
     assert (after.hits, after.misses) == (before.hits, before.misses)
 
 
-def test_compiled_blocks_with_lean_autograd_are_cacheable_by_aot_autograd() -> None:
-    """The lean autograd Functions are in the compiled blocks' graphs, and AOTAutograd's on-disk cache takes such
-    graphs only when asked to: compiled blocks ask, so a later run does not trace their joint graphs again."""
+@pytest.mark.parametrize("attention", ["auto", "cudnn", "efficient"])
+def test_compiled_blocks_are_cacheable_by_aot_autograd(attention: str) -> None:
+    """AOTAutograd's on-disk cache takes the compiled blocks' graphs (so a later run does not trace their joint
+    graphs again) although they hold the lean autograd Functions and, with a chosen attention kernel, the calls
+    ``sdpa_kernel`` is traced into: the cache takes neither by default, and compiled blocks ask it to."""
     from torch._functorch._aot_autograd.autograd_cache import check_cacheable
+    from torch._inductor import config as inductor_config
 
     from pfctl.models.fast import FastPaths, apply_fast_paths
 
@@ -233,14 +236,19 @@ def test_compiled_blocks_with_lean_autograd_are_cacheable_by_aot_autograd() -> N
         return gm.forward
 
     model = build("flux", num_layers=1, num_single_layers=1).train()
+    model.set_attention_backend(attention, False)
     torch._dynamo.reset()
-    try:  # PyTorch's default, back after
-        with torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=False):
+    try:  # PyTorch's defaults, back after
+        with (
+            torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=False),
+            inductor_config.patch(unsafe_marked_cacheable_functions={}),
+        ):
             apply_fast_paths(model, FastPaths(compile=True, compile_backend=checking, independent_sizes=True))
             sum(o.square().mean() for o in model(**inputs(seed=0))).backward()
     finally:
         torch._dynamo.reset()
     assert checked and any("autograd_function_apply" in code for code in checked)
+    assert any("sdpa_kernel" in code for code in checked) == (attention != "auto")
 
 
 def _to(args: dict, device: str) -> dict:
