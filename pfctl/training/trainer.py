@@ -109,7 +109,7 @@ class Trainer:
         self.data_seconds = 0.0  # host time spent loading batches in the current step
         self.wait_seconds = 0.0  # host time the current step spent waiting for the GPU (its one read)
         self.warmup: WarmupWatch | None = None  # compiled blocks: the warm-up in the log
-        self.collector: Collector | None = None  # Python's garbage collection at step boundaries (train.gc_every)
+        self.collector: Collector | None = None  # garbage collection at step boundaries (train.gc_every)
         self.saver: ckpt.BackgroundSaver | None = None  # checkpoints written in the background
 
     # ------------------------------------------------------------------------------------------

@@ -72,13 +72,15 @@ def compile_blocks(
     # later run skips tracing their joint graphs. PyTorch leaves such graphs out by default until it has tried
     # more models; the Functions' forward and backward are traced into the graph that keys the cache.
     _set_known(torch._functorch.config, "autograd_cache_allow_custom_autograd_functions", True)
-    # the blocks' choice of attention kernel (``sdpa_kernel``, entered around each call) is traced as calls of
-    # two helpers of torch.nn.attention that the cache does not know, and it skipped every block graph for them.
-    # Both only name and set the SDPA backends, which the trace resolves: the compiled graph holds the chosen
-    # kernel's operator, and the helpers' arguments are part of the graph that keys the cache
+    # the blocks' choice of attention kernel (``sdpa_kernel``, entered around each call) is traced as calls
+    # of two helpers of torch.nn.attention that the cache does not know, and it skipped every block graph for
+    # them. Both only name and set the SDPA backends, which the trace resolves: the compiled graph holds the
+    # chosen kernel's operator, and the helpers' arguments are part of the graph that keys the cache
     if hasattr(inductor_config, "unsafe_marked_cacheable_functions"):
-        helpers = {f"torch.nn.attention.{name}": torch.__version__ for name in ("_backend_from_string", "_sdpa_kernel")}
-        inductor_config.unsafe_marked_cacheable_functions = {**inductor_config.unsafe_marked_cacheable_functions, **helpers}
+        marked = dict(inductor_config.unsafe_marked_cacheable_functions)
+        for name in ("_backend_from_string", "_sdpa_kernel"):
+            marked[f"torch.nn.attention.{name}"] = torch.__version__
+        inductor_config.unsafe_marked_cacheable_functions = marked
     if dynamic is True:
         # with every size symbolic, a hit of the fake-tensor cache rebuilds its output's sizes from their
         # symbolic expressions, which takes longer than computing them again (benchmarks/RESULTS.md)
