@@ -77,7 +77,22 @@ def test_recipe_runs_the_whole_trainer_on_the_cpu(tmp_path: Path) -> None:
     assert rows["with recomputation (+2·N_ckpt·tokens)"].startswith("n/a (")  # counted (no peak rate on CPU)
     assert rows["time to steady state"].endswith("within 10%)")
     assert "GiB RSS" in rows["peak memory (timed steps)"] and rows["checkpoint save (not timed above)"].endswith(" s")
+    assert rows["Python GC: step 1 / rest of warm-up / timed"].endswith(" full passes)")
     assert "steady step time (median)" in proc.stdout
+
+
+def test_bench_counts_the_garbage_collectors_pauses() -> None:
+    import gc
+
+    bench = _bench()
+    with bench.GCPauses() as pauses:
+        gc.collect()
+        gc.collect(0)
+    assert pauses.full == 1 and pauses.seconds > 0
+    gc.collect()  # after the with: not counted
+    assert pauses.full == 1
+    timings = bench.Timings(gc=[0.5, 0.25, 0.25, 0.0], gc_full=[1, 0, 1, 0])
+    assert bench.gc_row(timings, 2) == "0.50 / 0.25 / 0.25 s (1 / 0 / 1 full passes)"
 
 
 def _spin(seconds: float) -> None:
