@@ -68,19 +68,7 @@ def compile_blocks(
     # passes each as a 0-dim CPU tensor, and on CUDA under FSDP2 and checkpointing Inductor then generated
     # CPU code for a block
     torch._dynamo.config.specialize_float = True
-    # graphs that hold the blocks' autograd Functions (fast.lean_autograd) in AOTAutograd's on-disk cache, so a
-    # later run skips tracing their joint graphs. PyTorch leaves such graphs out by default until it has tried
-    # more models; the Functions' forward and backward are traced into the graph that keys the cache.
-    _set_known(torch._functorch.config, "autograd_cache_allow_custom_autograd_functions", True)
-    # the blocks' choice of attention kernel (``sdpa_kernel``, entered around each call) is traced as calls
-    # of two helpers of torch.nn.attention that the cache does not know, and it skipped every block graph for
-    # them. Both only name and set the SDPA backends, which the trace resolves: the compiled graph holds the
-    # chosen kernel's operator, and the helpers' arguments are part of the graph that keys the cache
-    if hasattr(inductor_config, "unsafe_marked_cacheable_functions"):
-        marked = dict(inductor_config.unsafe_marked_cacheable_functions)
-        for name in ("_backend_from_string", "_sdpa_kernel"):
-            marked[f"torch.nn.attention.{name}"] = torch.__version__
-        inductor_config.unsafe_marked_cacheable_functions = marked
+    _cache_block_graphs()
     if dynamic is True:
         # with every size symbolic, a hit of the fake-tensor cache rebuilds its output's sizes from their
         # symbolic expressions, which takes longer than computing them again (benchmarks/RESULTS.md)
@@ -113,6 +101,25 @@ def compile_blocks(
         own_forward = block.forward  # the model's forward, bound to this block
         swap_class(block, CompiledForward)
         block._compiled_forward = torch.compile(own_forward, dynamic=dynamic, backend=backend, mode=mode)
+
+
+def _cache_block_graphs() -> None:
+    """Let AOTAutograd's on-disk cache take the blocks' graphs, so a later run skips tracing their joint graphs.
+
+    Two things in them made it skip every block graph: the lean autograd Functions (``fast.lean_autograd``),
+    which PyTorch leaves out by default until it has tried more models (their forward and backward are traced
+    into the graph that keys the cache), and the blocks' choice of attention kernel (``sdpa_kernel``, entered
+    around each call), traced as calls of two helpers of torch.nn.attention the cache does not know. Both
+    helpers only name and set the SDPA backends, which the trace resolves: the compiled graph holds the chosen
+    kernel's operator, and the helpers' arguments are part of the graph that keys the cache."""
+    import torch._inductor.config as inductor_config
+
+    _set_known(torch._functorch.config, "autograd_cache_allow_custom_autograd_functions", True)
+    if hasattr(inductor_config, "unsafe_marked_cacheable_functions"):
+        marked = dict(inductor_config.unsafe_marked_cacheable_functions)
+        for name in ("_backend_from_string", "_sdpa_kernel"):
+            marked[f"torch.nn.attention.{name}"] = torch.__version__
+        inductor_config.unsafe_marked_cacheable_functions = marked
 
 
 def _set_known(config: Any, name: str, value: object) -> None:
