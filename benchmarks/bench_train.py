@@ -506,7 +506,7 @@ def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tup
 
     from pfctl.training.trainer import Trainer
 
-    bypasses = CacheBypasses()  # (reported with --compile-times)
+    bypasses = CacheBypasses() if args.compile_times else None
     trainer = Trainer(config)
     trainer.setup()
     dims = dit_dims(config)
@@ -531,7 +531,7 @@ def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tup
     written_s = time.perf_counter() - tic  # until the checkpoint is committed (the same with blocking saves)
     if args.profile:
         profile_step(trainer, setting.cuda)
-    if args.compile_times:
+    if bypasses is not None:  # --compile-times
         from torch._dynamo.utils import compile_times, counters
 
         print(compile_times(repr="str", aggregate=True))
