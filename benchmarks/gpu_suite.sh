@@ -158,6 +158,6 @@ case ",$STEPS," in *,recipe384warm,*)
   # (under /tmp) warm from the first, as a user's next run or a resumed one does (~7 min)
   for run in cold warm; do
     echo "=== the 384p recipe on one GPU, $run compile caches (GPU $GPU)"
-    CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --warmup 16 --steps 4 --progress --no-checkpoint --compile-times --json "$OUT/recipe384_$run.json" 2>&1 | tee -a "$OUT/suite.log" | grep -E "^(bench step|warm-up|steady|time to|first|image tokens/s|MFU|peak|_compile.compile_inner|bytecode_tracing|aot_trace|Scheduler.codegen|CUDAGraphNode)" | tail -40
+    CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --warmup 16 --steps 4 --progress --no-checkpoint --compile-times --json "$OUT/recipe384_$run.json" 2>&1 | tee -a "$OUT/suite.log" | grep -E "^(bench step|warm-up|steady|time to|first|image tokens/s|MFU|peak|Python GC|compile caches|AOTAutograd cache|_compile.compile_inner|bytecode_tracing|aot_trace|create_aot|Scheduler.codegen|CUDAGraphNode)" | tail -45
   done;;
 esac
