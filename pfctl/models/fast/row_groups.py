@@ -65,13 +65,7 @@ def row_group_attention_backward(
 
 @row_group_attention_backward.register_fake
 def _row_group_attention_backward_shape(
-    grad: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor,
-    groups: torch.Tensor,
-    backend: str,
+    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *layout: object
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
