@@ -186,10 +186,10 @@ class TrainConfig(Section):
     """Cut the text padding and attend the query rows of long columns (6,144+ tokens) in groups of whole
     frames (512+ rows; a frame that large alone), each against the keys up to its last frame only, forward
     and backward; a single frame's rows attend with no mask. Same loss up to float rounding. Off by
-    default: with it on, every attention call of a compiled training step is one operator that runs its
-    groups on the host's orders (grouped or not, so no step recompiles the blocks) and attends them again in
-    its backward, so it pays only for long columns (768p and longer clips); 384p columns are too short to be
-    grouped at all. The 768p recipe turns it on."""
+    default: with it on, every attention call of a compiled training step runs outside the compiled blocks
+    (grouped or not: one eager function for every column, so no step recompiles them), and these graph breaks
+    cost host time, so it pays only for long columns (768p and longer clips); 384p columns are too short to
+    be grouped at all. The 768p recipe turns it on."""
     compile: bool | Literal["auto"] = "auto"
     """``torch.compile`` each DiT block (dynamic shapes): fuses the norms, RoPE, modulation and residuals around
     the matmuls, forward and backward. ``auto`` (default): on CUDA, off on the CPU (where the blocks run

@@ -366,17 +366,16 @@ class PyramidLayout:
     # the model attends long columns in row groups: this call's columns may all be too short to be grouped
     grouping: bool = False
     # per column: the row groups as one host table (:func:`group_table`; a column without groups: one group),
-    # what an operator taking them as a tensor reads (pfctl.models.fast); set when the model groups rows
+    # what an operator taking them as a tensor reads (pfctl.models.fast)
     group_tables: list[torch.Tensor] | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.grouped = self.row_groups is not None
         self.group_tables = None
-        if self.grouped or self.grouping:
-            row_groups = self.row_groups or [None] * self.num_columns
+        if self.row_groups is not None:
             self.group_tables = [
                 group_table(groups or [RowGroup(0, self.text_len + n)], self.batch)
-                for groups, n in zip(row_groups, self.image_lengths, strict=True)
+                for groups, n in zip(self.row_groups, self.image_lengths, strict=True)
             ]
 
     def attend(self, column: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -413,12 +412,8 @@ def tail_table(table: RotaryTable, lengths: Sequence[int], tails: Sequence[int])
 
 def group_table(groups: Sequence[RowGroup], batch: int) -> torch.Tensor:
     """Row groups as a host table ``[G, 2 + batch]`` int64: start, end, then each item's key start (``-1``
-    throughout for a group attended under the mask). A single group gets an empty one after it (``G >= 2``):
-    torch.compile specialises a size of 1, so a one-group table would compile the blocks again for the
-    first table with more groups."""
+    throughout for a group attended under the mask)."""
     rows = [[g.start, g.end, *(g.key_starts or (-1,) * batch)] for g in groups]
-    if len(rows) == 1:
-        rows.append([groups[0].end, groups[0].end, *(-1,) * batch])
     return torch.tensor(rows, dtype=torch.int64)
 
 

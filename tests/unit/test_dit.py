@@ -371,9 +371,9 @@ def test_causal_row_groups_skip_only_masked_keys() -> None:
 
 
 def test_row_group_attention_operator_is_the_masked_attention() -> None:
-    """The operator compiled blocks call for row groups: the groups survive its host table, its result and
-    its gradients are the one-call masked attention's for any grouping (q, k, v strided as the blocks' splits
-    leave them), and its schema, shape functions, kernels and autograd agree (``torch.library.opcheck``)."""
+    """The operator compiled blocks call for row groups without gradients: the groups survive its host
+    table, its result is the one-call masked attention's for any grouping (q, k, v strided as the blocks'
+    splits leave them), and its schema, shape function and kernel agree (``torch.library.opcheck``)."""
     from pfctl.models.attention_layout import (
         RowGroup,
         build_attention_bias,
@@ -387,11 +387,8 @@ def test_row_group_attention_operator_is_the_masked_attention() -> None:
     text_valid = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)  # left-aligned
     (bias,) = build_attention_bias(text_valid, [clip_frame_ids(grids, "cpu")], 1, True, torch.float32)
     size = bias.shape[-1]
-    base = torch.randn(2, size, 3, 2, 8, requires_grad=True)
-    q, k, v = base.unbind(2)  # [B, S, H, hd] views with a gap between rows
+    q, k, v = torch.randn(2, size, 3, 2, 8).unbind(2)  # [B, S, H, hd] views with a gap between rows
     want = masked_attention(q, k, v, bias)
-    grad_out = torch.randn_like(want)
-    (want_grad,) = torch.autograd.grad(want, base, grad_out)
     for groups in (
         causal_row_groups(text_len, grids, 1, [2, 0]),
         causal_row_groups(text_len, grids, 10, [2, 0]),
@@ -399,12 +396,10 @@ def test_row_group_attention_operator_is_the_masked_attention() -> None:
         [RowGroup(0, size)],
     ):
         table = group_table(groups, 2)
-        assert table_groups(table) == groups and table.shape[0] >= 2  # (a one-group table gets an empty one)
+        assert table_groups(table) == groups
         got = torch.ops.pfctl.row_group_attention(q, k, v, bias, table, "auto")
         assert got.shape == want.shape
         assert_rounding_close(got, want, **SUMS)
-        (got_grad,) = torch.autograd.grad(got, base, grad_out)
-        assert_rounding_close(got_grad, want_grad, **SUMS)
     torch.library.opcheck(row_group_attention, (q, k, v, bias, group_table(groups, 2), "auto"))
 
 

@@ -45,9 +45,9 @@ def compile_blocks(
 
     ``dynamic``: ``True`` makes every size of a block's inputs dynamic from the first trace; ``None``
     (automatic, what generate uses) traces static sizes first and makes dynamic only those that change, so
-    head counts and widths stay constants. That matters wherever a block's graph breaks: the frames around a
-    break take all their sizes from their inputs, and with every size dynamic Inductor generated generic, much
-    slower kernels there (benchmarks/RESULTS.md).
+    head counts and widths stay constants. That matters wherever a block has a graph break (row groups with
+    gradients): the frames around it take all their sizes from their inputs, and with every size dynamic
+    Inductor generated generic, much slower kernels (benchmarks/RESULTS.md).
 
     ``independent_sizes`` (training): sizes that happen to be equal when a block is traced are not assumed
     to stay equal (PyTorch's "duck shaping" off, for the whole process), so columns whose token counts
