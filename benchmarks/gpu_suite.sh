@@ -121,8 +121,8 @@ case ",$STEPS," in *,recipe384,*)
   CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --reference third_party/Pyramid-Flow --warmup 18 --steps 10 --progress --compile-times --json "$OUT/recipe384.json" 2>&1 | tee -a "$OUT/suite.log" | tail -40;;
 esac
 case ",$STEPS," in *,warmupprof,*)
-  # session 24: step 1 84 s cold / 43 s warm (AOTAutograd's cache bypassed until after that run), steps 2-8
-  # (first occurrences) 18 s, of which cuDNN's planning ~5 s: where does the rest go?
+  # session 25: step 1 93 s cold / 16 s warm, then steps 2-16 (first occurrences, recordings) 35-37 s either
+  # way, of which cuDNN's planning ~5 s and the recordings ~9 s: where does the rest go?
   echo "=== the 384p recipe's warm-up, host time per phase and thread (GPU $GPU; ~5 min)"
   CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --warmup 17 --steps 3 --progress --no-checkpoint --host-profile 15 --host-phase-ends 8 --json "$OUT/warmupprof.json" 2>&1 | tee -a "$OUT/suite.log" | grep -E "^(bench step|warm-up|host samples|  (inclusive|leaf)|steady|time to)" | tail -150;;
 esac
