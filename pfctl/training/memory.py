@@ -154,10 +154,12 @@ def estimate_memory(
     ema: bool = False,
     gradient_checkpointing: bool = False,
     checkpointing_ratio: float = 0.75,
+    checkpointing_policy: str = "full",
     grad_accum: int = 1,
 ) -> MemoryEstimate:
     """The estimate for ``model`` (real or on the meta device; without adapters injected) training on
-    ``workload``. ``lora_targets``: full names of the adapted Linears (None = full fine-tuning)."""
+    ``workload``. ``lora_targets``: full names of the adapted Linears (None = full fine-tuning);
+    ``checkpointing_policy`` ``selective``: the checkpointed blocks keep their attention results."""
     from pfctl.models.dit_layers import num_checkpointed
 
     a = 2 if compute_dtype in ("bf16", "fp16") else FP32
@@ -168,6 +170,10 @@ def estimate_memory(
     blocks = _blocks(model)
     n_ckpt = num_checkpointed(len(blocks), checkpointing_ratio) if gradient_checkpointing else 0
     _add_activation_rows(est, model, workload, blocks, n_ckpt, a, targets if lora else None, lora_rank)
+    if n_ckpt and checkpointing_policy == "selective":
+        heads = int(getattr(model, "config", {}).get("num_attention_heads", 0))
+        kept = n_ckpt * (a * _width(model) + FP32 * heads) * (workload.image_tokens + workload.text_tokens)
+        est.rows.append(("activations: kept attention", int(kept), f"output + log-sum-exp of {n_ckpt} checkpointed blocks"))  # fmt: skip
 
     # -- bf16 copies of fp32 weights made by autocast and kept for backward ------------------------
     if a == 2 and not (lora and base_dtype == "bf16"):

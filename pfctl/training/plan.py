@@ -323,6 +323,7 @@ def estimate_for_run(config: Any, cache: Any, clips: list[ClipInfo]) -> Any:
         base_dtype=train.base_dtype, compute_dtype="bf16" if precision == "bf16" else "fp32",
         optimizer=train.optimizer, ema=train.ema_decay is not None,
         gradient_checkpointing=train.gradient_checkpointing, checkpointing_ratio=train.gradient_checkpointing_ratio,
+        checkpointing_policy=train.gradient_checkpointing_policy,
         grad_accum=train.grad_accum,
     )  # fmt: skip
     estimate.notes.append(

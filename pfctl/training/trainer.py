@@ -763,7 +763,14 @@ def apply_fast_paths(model: torch.nn.Module, config: Any, device: torch.device) 
     ratio = cfg.gradient_checkpointing_ratio if cfg.gradient_checkpointing else 0.0
     # column sizes change independently every step
     graphs = compiled and cfg.cuda_graphs is True
-    paths = fast.FastPaths(config.fast, ratio, compiled, independent_sizes=True, cuda_graphs=graphs)
+    paths = fast.FastPaths(
+        config.fast,
+        checkpointing_ratio=ratio,
+        checkpointing_policy=cfg.gradient_checkpointing_policy,
+        compile=compiled,
+        independent_sizes=True,
+        cuda_graphs=graphs,
+    )
     applied = fast.apply_fast_paths(model, paths)
     if applied:
         pflog.log("fast paths: " + ", ".join(applied))

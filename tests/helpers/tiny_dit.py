@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pfctl.config.fast import FastPathsConfig
 from pfctl.models.dit_flux import PyramidFluxTransformer
@@ -72,11 +73,13 @@ def build(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
 PLAIN = FastPathsConfig(fused_qk_rope=False, fused_products=False, lean_autograd=False, fused_vae_norm=False)
 
 
-def checkpointed(model: torch.nn.Module, ratio: float, kernels: FastPathsConfig = PLAIN) -> torch.nn.Module:
+def checkpointed(
+    model: torch.nn.Module, ratio: float, kernels: FastPathsConfig = PLAIN, policy: str = "full"
+) -> torch.nn.Module:
     """``model`` with activation checkpointing of its first ``floor(L * ratio)`` blocks (the speed layer)."""
     from pfctl.models.fast import FastPaths, apply_fast_paths
 
-    apply_fast_paths(model, FastPaths(kernels, checkpointing_ratio=ratio))
+    apply_fast_paths(model, FastPaths(kernels, checkpointing_ratio=ratio, checkpointing_policy=policy))
     return model
 
 
@@ -110,3 +113,24 @@ def clone_args(args: dict) -> dict:
     out = {k: v.clone() for k, v in args.items() if k != "sample"}
     out["sample"] = [[c.clone() for c in col] for col in args["sample"]]
     return out
+
+
+class AttentionKernelRuns(TorchDispatchMode):
+    """Counts the runs of the fused attention kernels a selective checkpoint keeps
+    (:func:`pfctl.models.fast.checkpointing.kept_operators`). Entered outside the checkpoint, it sits below the
+    checkpoint's own mode, so a recomputed call the checkpoint answers from what it kept never reaches it;
+    compiled blocks still compile under it, and their calls of the kernels are counted too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runs = 0
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from pfctl.models.fast.checkpointing import kept_operators
+
+        self.runs += func in kept_operators()
+        return func(*args, **(kwargs or {}))

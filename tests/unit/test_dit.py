@@ -9,7 +9,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers.tiny_dit import LATENT_C, MODELS, SUMS, build, checkpointed, clone_args, inputs, run
+from helpers.tiny_dit import (
+    LATENT_C,
+    MODELS,
+    SUMS,
+    AttentionKernelRuns,
+    build,
+    checkpointed,
+    clone_args,
+    inputs,
+    run,
+)
 from helpers.tolerance import assert_rounding_close
 from pfctl.config.fast import FastPathsConfig
 from pfctl.errors import ConfigError, InputError
@@ -204,6 +214,30 @@ def test_gradient_checkpointing_recomputes_exactly_those_blocks_and_matches(kind
     recomputed = sorted(n for n, c in calls.items() if c == 2)
     assert recomputed == sorted(checkpointed_block_names(ckpt, 0.7)) and recomputed
     assert all(c in (1, 2) for c in calls.values())
+    for a, b in zip(results[0][0], results[1][0], strict=True):
+        assert_rounding_close(b, a, **SUMS)  # two models: other addresses
+    for name, grad in results[0][1].items():
+        assert_rounding_close(results[1][1][name], grad, **SUMS, msg=name)
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_selective_checkpointing_attends_once_and_matches_full(kind: str) -> None:
+    """``selective`` keeps the attention kernels' results: the backward recomputes the blocks without
+    attending again, with the outputs and gradients of ``full`` (which attends twice)."""
+    args = inputs()
+    results, runs = [], []
+    for policy in ("full", "selective"):
+        model = checkpointed(build(kind).train(), 1.0, policy=policy)
+        with AttentionKernelRuns() as counter:
+            outs = model(**clone_args(args))
+            forward = counter.runs
+            sum(o.square().mean() for o in outs).backward()
+        runs.append((forward, counter.runs - forward))
+        results.append((outs, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (full_forward, full_backward), (selective_forward, selective_backward) = runs
+    assert full_forward == selective_forward > 0
+    assert full_backward == full_forward  # every block checkpointed: each call recomputed once
+    assert selective_backward == 0
     for a, b in zip(results[0][0], results[1][0], strict=True):
         assert_rounding_close(b, a, **SUMS)  # two models: other addresses
     for name, grad in results[0][1].items():

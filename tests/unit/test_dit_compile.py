@@ -4,10 +4,12 @@ compiled blocks composed with activation checkpointing and FSDP2."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from helpers.tiny_dit import LATENT_C, PLAIN, SUMS, build, clone_args, inputs, run
+from helpers.tiny_dit import LATENT_C, PLAIN, SUMS, AttentionKernelRuns, build, clone_args, inputs, run
 from helpers.tolerance import assert_rounding_close
 
 
@@ -126,6 +128,40 @@ def test_compiled_training_with_row_groups_recompiles_nothing_per_column(monkeyp
         torch._dynamo.reset()
     assert not [r for why in reasons.values() for r in why if "column" in r], reasons
     assert len(reasons.get("attend", [])) <= 1, reasons  # (the column index turning dynamic)
+
+
+def test_selective_checkpointing_of_compiled_blocks_with_row_groups_attends_once(monkeypatch) -> None:
+    """The 768p recipe's stack: compiled blocks, the row groups' eager attention between their compiled parts
+    (``skip_future_keys``), every block checkpointed with the ``selective`` policy. The backward recomputes
+    the blocks without running an attention kernel, with the outputs and gradients of the eager model
+    checkpointed with ``full``."""
+    import pfctl.models.attention_layout as dc
+    from pfctl.models.fast import FastPaths, apply_fast_paths
+
+    monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", 8)
+    args, results, backward_runs = inputs(), [], []
+    args["sample"][1] = [torch.randn(2, LATENT_C, 1, 4, 4), torch.randn(2, LATENT_C, 5, 4, 4)]  # grouped
+    torch._dynamo.reset()
+    try:
+        for policy, compiled in (("full", False), ("selective", True)):
+            model = build("flux", num_layers=1, num_single_layers=1).train()
+            model.set_attention_backend("auto", skip_future_keys=True, min_tokens=25)
+            paths = FastPaths(PLAIN, checkpointing_ratio=1.0, checkpointing_policy=policy, compile=compiled)
+            apply_fast_paths(model, replace(paths, compile_backend="aot_eager", independent_sizes=True))
+            with AttentionKernelRuns() as counter:
+                outs = model(**clone_args(args))
+                forward = counter.runs
+                sum(o.square().mean() for o in outs).backward()
+            backward_runs.append(counter.runs - forward)
+            assert forward > 0
+            results.append((outs, {n: p.grad for n, p in model.named_parameters()}))
+    finally:
+        torch._dynamo.reset()
+    assert backward_runs[0] > 0 and backward_runs[1] == 0
+    for a, b in zip(results[0][0], results[1][0], strict=True):
+        assert_rounding_close(b, a, **SUMS)
+    for name, grad in results[0][1].items():
+        assert_rounding_close(results[1][1][name], grad, **SUMS, msg=name)
 
 
 @pytest.mark.slow

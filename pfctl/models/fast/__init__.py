@@ -37,12 +37,14 @@ class FastPaths:
     """What :func:`apply_fast_paths` does to a model.
 
     ``kernels``: the ``fast:`` config section (module swaps). ``checkpointing_ratio``: activation
-    checkpointing of the first ``floor(L * ratio)`` blocks (0: none). ``compile``: ``torch.compile`` each
+    checkpointing of the first ``floor(L * ratio)`` blocks (0: none), under ``checkpointing_policy``
+    (``full`` or ``selective``: :mod:`.checkpointing`). ``compile``: ``torch.compile`` each
     block with ``dynamic`` / ``independent_sizes`` / ``cuda_graphs`` (:func:`.compile.compile_blocks`) and
     ``compile_backend``."""
 
     kernels: FastPathsConfig = field(default_factory=FastPathsConfig)
     checkpointing_ratio: float = 0.0
+    checkpointing_policy: str = "full"
     compile: bool = False
     dynamic: bool | None = True
     independent_sizes: bool = False
@@ -63,7 +65,9 @@ def apply_fast_paths(model: nn.Module, paths: FastPaths) -> list[str]:
         for _, block in blocks:
             swap_class(block, Checkpointed)
             block.activation_checkpointing = id(block) in chosen
-        applied.append(f"activation checkpointing (ratio {paths.checkpointing_ratio:g})")
+            block.checkpointing_policy = paths.checkpointing_policy
+        ratio, policy = paths.checkpointing_ratio, paths.checkpointing_policy
+        applied.append(f"activation checkpointing (ratio {ratio:g}, {policy})")
     if paths.compile and blocks_in_order is not None:
         from pfctl.models.fast.compile import compile_blocks
 
