@@ -124,6 +124,7 @@ class AttentionKernelRuns(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.runs = 0
+        self.output_bytes = 0  # of the counted runs' tensor outputs
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -132,5 +133,9 @@ class AttentionKernelRuns(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from pfctl.models.fast.checkpointing import kept_operators
 
-        self.runs += func in kept_operators()
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if func in kept_operators():
+            self.runs += 1
+            outputs = out if isinstance(out, tuple) else (out,)
+            self.output_bytes += sum(t.nbytes for t in outputs if isinstance(t, torch.Tensor))
+        return out

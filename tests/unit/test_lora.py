@@ -256,6 +256,28 @@ def test_activation_formula_matches_what_autograd_keeps(lora: bool) -> None:
     assert abs(predicted - measured) / measured < 0.05, (predicted, measured)
 
 
+def test_estimate_counts_what_selective_checkpointing_keeps() -> None:
+    """The estimate's row for the attention results that ``selective`` checkpointing keeps matches the
+    bytes the attention kernels return in a training forward."""
+    from helpers.tiny_dit import AttentionKernelRuns
+    from pfctl.models.fast import FastPaths, apply_fast_paths
+
+    model = dit(num_layers=2, num_single_layers=2, num_attention_heads=4)
+    frames, size = 4, 16
+    tokens = frames * (size // 2) ** 2
+    est = estimate_memory(
+        model, Workload(((1, tokens),), TEXT_LEN), compute_dtype="fp32", gradient_checkpointing=True,
+        checkpointing_ratio=1.0, checkpointing_policy="selective",
+    )  # fmt: skip
+    apply_fast_paths(model, FastPaths(checkpointing_ratio=1.0, checkpointing_policy="selective"))
+    model.train()
+    with AttentionKernelRuns() as kept:
+        model(**inputs(frames, size))
+    predicted = est.get("activations: kept attention")
+    assert kept.runs == 4 and abs(predicted - kept.output_bytes) / kept.output_bytes < 0.05, (predicted, kept)
+    assert estimate_memory(model, Workload(((1, tokens),), TEXT_LEN)).get("activations: kept attention") == 0
+
+
 def test_estimate_responds_to_each_option() -> None:
     model = dit(num_layers=2, num_single_layers=2)
     work = Workload(((2, 256), (2, 512)), TEXT_LEN)
