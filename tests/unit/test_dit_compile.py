@@ -314,15 +314,22 @@ def _inductor_on_cuda_only(gm: torch.fx.GraphModule, example_inputs: list) -> ob
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("strategy", ["shard_grad_op", "full_shard"])
 def test_checkpointing_compile_and_fsdp2_compose_on_cuda(strategy: str) -> None:
-    """torchtitan's stack on one model, in its order: checkpointed blocks, compiled by Inductor, then sharded
-    by FSDP2 (a one-process group): the eager model's outputs and gradients within fp32 rounding, over two
-    AdamW steps (the second one runs the compiled code with sharded, updated weights)."""
+    """torchtitan's stack on one model, in its order: checkpointed blocks (the trainer's ``selective``
+    policy), compiled by Inductor, then sharded by FSDP2 (a one-process group): the eager model's outputs and
+    gradients within fp32 rounding, over two AdamW steps (the second one runs the compiled code with sharded,
+    updated weights)."""
     from pfctl.models.fast import FastPaths, apply_fast_paths
     from pfctl.runtime.sharding import shard_model
 
     eager, fast = build("flux").cuda().train(), build("flux").cuda().train()
     torch._dynamo.reset()
-    paths = FastPaths(PLAIN, checkpointing_ratio=0.5, compile=True, compile_backend=_inductor_on_cuda_only)
+    paths = FastPaths(
+        PLAIN,
+        checkpointing_ratio=0.5,
+        checkpointing_policy="selective",
+        compile=True,
+        compile_backend=_inductor_on_cuda_only,
+    )
     apply_fast_paths(fast, paths)
     shard_model(fast, [b for _, b in fast.blocks_in_order()], strategy=strategy, device=torch.device("cuda"))
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (eager, fast)]
