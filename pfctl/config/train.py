@@ -366,12 +366,13 @@ class TrainSpeed:
     attention: str
     fsdp: str
     notes: tuple[str, ...] = ()
+    checkpointing: str = "none"  # ``none``, or the ratio and policy, e.g. ``0.75 selective``
 
     def describe(self) -> str:
         """One log line: what runs, and why where an ``auto`` decided."""
         graphs = " + CUDA graphs" if self.cuda_graphs else ""
         head = f"compiled blocks{graphs}" if self.compile else "eager blocks"
-        parts = [head, f"attention {self.attention}", f"fsdp {self.fsdp}"]
+        parts = [head, f"checkpointing {self.checkpointing}", f"attention {self.attention}", f"fsdp {self.fsdp}"]
         return "; ".join(parts) + "".join(f" ({note})" for note in self.notes)
 
 
@@ -402,7 +403,10 @@ def resolve_train_speed(
     attention = train.attention
     if attention == "auto":
         attention = "cudnn" if graphs else "efficient"
-    return TrainSpeed(compiled, graphs, attention, fsdp, tuple(notes))
+    checkpointing = "none"
+    if train.gradient_checkpointing:
+        checkpointing = f"{train.gradient_checkpointing_ratio:g} {train.gradient_checkpointing_policy}"
+    return TrainSpeed(compiled, graphs, attention, fsdp, tuple(notes), checkpointing)
 
 
 def check_trackers(trackers: list[str]) -> None:

@@ -159,9 +159,20 @@ def test_speed_options_settle_per_device_and_world(
 ) -> None:
     from pfctl.config.train import resolve_train_speed
 
-    speed = resolve_train_speed(load_config(None, overrides).train, device, world)
+    train = load_config(None, overrides).train
+    speed = resolve_train_speed(train, device, world)
     assert (speed.compile, speed.cuda_graphs, speed.attention, speed.fsdp) == expected
     assert ("compiled" in speed.describe()) == speed.compile
+    assert ("checkpointing none" in speed.describe()) == (not train.gradient_checkpointing)
+
+
+def test_speed_line_names_the_checkpointing() -> None:
+    from pfctl.config.train import resolve_train_speed
+
+    train = load_config("pyramid-flux-768p-8gpu").train
+    assert "checkpointing 0.75 selective" in resolve_train_speed(train, "cuda", 8).describe()
+    train = load_config(None, ["train.gradient_checkpointing=true", "train.gradient_checkpointing_policy=full"]).train
+    assert "checkpointing 0.75 full" in resolve_train_speed(train, "cpu", 1).describe()
 
 
 def test_without_a_compiler_auto_keeps_the_eager_blocks() -> None:
