@@ -196,6 +196,10 @@ class TrainConfig(Section):
     (grouped or not: one eager function for every column, so no step recompiles them), and these graph breaks
     cost host time, so it pays only for long columns (768p and longer clips); 384p columns are too short to
     be grouped at all. The 768p recipe turns it on."""
+    row_group_min_tokens: int | None = Field(default=None, ge=0)
+    """With ``skip_future_keys``: the shortest column (text + image tokens) attended in row groups; shorter ones
+    take one masked call over all their keys. None (default): the model's own threshold (6,144 tokens); ``0``
+    groups every column (what generate does)."""
     compile: bool | Literal["auto"] = "auto"
     """``torch.compile`` each DiT block (dynamic shapes): fuses the norms, RoPE, modulation and residuals around
     the matmuls, forward and backward. ``auto`` (default): on CUDA, off on the CPU (where the blocks run

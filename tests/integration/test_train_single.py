@@ -277,11 +277,11 @@ def test_skip_future_keys_trains_like_one_call_attention(
     cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``train.skip_future_keys``: the trainer hands the DiT each batch's text lengths (read before the copy
-    to the device), so single-frame row groups attend with no mask; the losses are the one-call ones."""
+    to the device), so single-frame row groups attend with no mask; the losses are the one-call ones. With
+    ``train.row_group_min_tokens=0`` the tiny preset's short columns are grouped too."""
     import pfctl.models.attention_layout as dc
 
     monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", 4)  # several groups on the tiny preset's columns
-    monkeypatch.setattr(dc, "ROW_GROUP_MIN_TOKENS", 0)  # grouped however short the columns
     grouped, key_starts = dc._attention_by_row_groups, set()
 
     def recording(*args: object) -> torch.Tensor:
@@ -290,7 +290,10 @@ def test_skip_future_keys_trains_like_one_call_attention(
 
     monkeypatch.setattr(dc, "_attention_by_row_groups", recording)
     one_call = api.train(config(cache, tmp_path / "one", max_steps=3))
-    grouped_run = api.train(config(cache, tmp_path / "grouped", max_steps=3, skip_future_keys=True))
+    # grouped however short the columns
+    grouped_run = api.train(
+        config(cache, tmp_path / "grouped", max_steps=3, skip_future_keys=True, row_group_min_tokens=0)
+    )
     assert len({start for starts in key_starts for start in starts}) > 1  # captions of different lengths
     # another attention path sums in another order: 3 steps of a forward and a backward (helpers.tolerance)
     assert_rounding_close(grouped_run.losses, one_call.losses, reduction=128, depth=3 * 32)
