@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite in one call (2x H200: single-GPU benchmarks on GPU 0, then the
 # 2-process sync-group run and the FSDP tests on both). Results: $OUT (or ./bench-out).
-# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,refgen768,gen768,gen768skip,gen768prof,attention,traingraphs,rowgroups,lowmem,fp8,refgen1,recipe384,graphtests,recipe768,warmupprof,recipe768prof,composetest,recipe384warm,gen2gpu,lowmem768]
+# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,refgen768,gen768,gen768skip,gen768prof,attention,traingraphs,rowgroups,lowmem,fp8,refgen1,recipe384,graphtests,recipe768,warmupprof,recipe768prof,recipe768rowgroups,composetest,recipe384warm,gen2gpu,lowmem768]
 # (LAYOUTS=channels_last_unfused,channels_last picks the VAE layouts the vae steps time)
 # (TRAIN_VARIANTS=efficient,efficient+compile+skip picks the pfctl variants the trainvariants step times)
 # (reference: needs a Pyramid-Flow checkout in third_party/Pyramid-Flow and einops; not in the default list)
@@ -134,6 +134,15 @@ esac
 case ",$STEPS," in *,recipe768,*)
   echo "=== pfctl train, the 768p recipe on one GPU (checkpointing 0.75, compiled blocks), beside the reference's step (GPU $GPU; ~8 min)"
   CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-768p-8gpu --processes 1 --reference third_party/Pyramid-Flow --warmup 8 --steps 6 --progress --compile-times --json "$OUT/recipe768.json" 2>&1 | tee -a "$OUT/suite.log" | tail -40;;
+esac
+case ",$STEPS," in *,recipe768rowgroups,*)
+  # session 26: the columns under 6,144 tokens take a third of the 768p step's attention work as one masked
+  # call each (the memory-efficient kernel with a bias), and the step is GPU-bound: does grouping them pay?
+  echo "=== the 768p recipe on one GPU with every column in row groups, then the default (GPU $GPU; ~5 min)"
+  for n in 0 default; do
+    set_n=(); [ $n = 0 ] && set_n=(--set train.row_group_min_tokens=0)
+    CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-768p-8gpu --processes 1 --warmup 8 --steps 8 --no-checkpoint "${set_n[@]}" --json "$OUT/recipe768_rowgroups_$n.json" 2>&1 | tee -a "$OUT/suite.log" | grep -E "^(steady|image tokens|MFU|peak|step times)"
+  done;;
 esac
 case ",$STEPS," in *,recipe768prof,*)
   # session 19: with skip_future_keys the 768p recipe ran 1.71 s a step (1.9x the reference); the profiled
