@@ -97,7 +97,7 @@ def test_dry_run_prints_the_plan(cache: Path) -> None:
     # what CUDA would run (4 processes, no checkpointing, one micro-batch: compiled blocks as CUDA graphs),
     # and the warm-up's inputs on rank 0: M / G = 2 unit positions of each of the 2 buckets
     flat = "".join(result.output.split())  # (the console wraps long lines, also after hyphens)
-    assert "onCUDAwith4process(es):compiledblocks+CUDAgraphs;attentioncudnn" in flat
+    assert "onCUDAwith4process(es):compiledblocks+CUDAgraphs;checkpointingnone;attentioncudnn" in flat
     assert "warm-up:4distinctinputsonrank0" in flat
 
 
