@@ -171,7 +171,7 @@ def estimate_memory(
     n_ckpt = num_checkpointed(len(blocks), checkpointing_ratio) if gradient_checkpointing else 0
     _add_activation_rows(est, model, workload, blocks, n_ckpt, a, targets if lora else None, lora_rank)
     if n_ckpt and checkpointing_policy == "selective":
-        heads = int(getattr(model, "config", {}).get("num_attention_heads", 0))
+        heads = int(model.config["num_attention_heads"])
         kept = n_ckpt * (a * _width(model) + FP32 * heads) * (workload.image_tokens + workload.text_tokens)
         est.rows.append(("activations: kept attention", int(kept), f"output + log-sum-exp of {n_ckpt} checkpointed blocks"))  # fmt: skip
 

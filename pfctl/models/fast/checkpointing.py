@@ -24,10 +24,9 @@ from torch import nn
 
 from pfctl.models.dit_layers import check_ratio, num_checkpointed
 
-__all__ = ["CHECKPOINTING_POLICIES", "Checkpointed", "checkpointed_blocks", "kept_operators"]
+__all__ = ["Checkpointed", "checkpointed_blocks", "kept_operators"]
 
 #: what a checkpointed block keeps from its forward (see the module docstring)
-CHECKPOINTING_POLICIES = ("full", "selective")
 Policy = Literal["full", "selective"]
 
 #: the fused SDPA kernels whose results ``selective`` keeps (those this PyTorch has); the math fallback is a
@@ -58,7 +57,7 @@ def _selective_contexts() -> tuple[Any, Any]:
 
 class Checkpointed:
     """Mixin of a block: its call runs under ``torch.utils.checkpoint`` (non-reentrant) when training, if
-    ``activation_checkpointing`` is set on it, with ``checkpointing_policy`` (:data:`CHECKPOINTING_POLICIES`).
+    ``activation_checkpointing`` is set on it, with ``checkpointing_policy`` (the module docstring's two).
     Every block of a model gets the mixin (so blocks of one kind keep one class, which FSDP's wrap policy
     matches by class) and the flag says which ones recompute."""
 
