@@ -218,8 +218,8 @@ def _attention_by_row_groups(
 #: them; a frame that large is a group of its own); chosen by benchmarks/bench_video_attention.py (RESULTS.md)
 ROW_GROUP_MIN_ROWS = 512
 #: the shortest column (text + image tokens) attended in row groups when the model is not told otherwise
-#: (``set_attention_backend(min_tokens=)``; generate passes 0: every column). Training keeps this: its grouped
-#: steps measured slower (benchmarks/RESULTS.md)
+#: (``set_attention_backend(min_tokens=)``; generate passes 0: every column). Training keeps it unless told
+#: otherwise (``train.row_group_min_tokens``; the 768p recipe groups every column: benchmarks/RESULTS.md)
 ROW_GROUP_MIN_TOKENS = 6144
 
 
