@@ -17,6 +17,7 @@ work. The last block computes only the rows of each column's last clip (:func:`c
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,11 @@ ATTENTION_BACKENDS = ("auto", "efficient", "cudnn")
 #: boolean False (cuDNN mishandles -inf). With it every backend matches a boolean mask bit for bit: next to
 #: any allowed key (every row has one, the diagonal) exp(score - 65504 - max) underflows to exactly 0.
 MASKED = -65504.0
+#: a context each fused attention call of eagerly run attention enters, if set: the fast layer's selective
+#: checkpointing of compiled blocks keeps the kernels' results there (:mod:`pfctl.models.fast.checkpointing`)
+kernel_call_context: contextvars.ContextVar[Callable[[], contextlib.AbstractContextManager] | None] = (
+    contextvars.ContextVar("kernel_call_context", default=None)
+)
 
 
 def by_column(rows: torch.Tensor, num_columns: int) -> torch.Tensor:
@@ -171,8 +177,18 @@ def masked_attention(
     if row_groups is not None:
         return _attention_by_row_groups(q, k, v, mask, backend, row_groups, first).flatten(2)
     with attention_kernels(backend):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[..., first:, :])  # [B, H, Sq, hd]
+        out = _attention_call(q, k, v, mask[..., first:, :])  # [B, H, Sq, hd]
     return out.transpose(1, 2).flatten(2)  # [B, Sq, H*hd]
+
+
+def _attention_call(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One SDPA call, under :data:`kernel_call_context` when it is set (never while compiling)."""
+    if torch.compiler.is_compiling() or (context := kernel_call_context.get()) is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    with context():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def _attention_by_row_groups(
@@ -198,17 +214,13 @@ def _attention_by_row_groups(
             a = max(a, first)
             rows = slice(a - first, b - first)  # of q and out
             if key_starts is None:
-                result = F.scaled_dot_product_attention(
-                    q[:, :, rows], k[:, :, :b], v[:, :, :b], attn_mask=mask[..., a:b, :b]
-                )
+                result = _attention_call(q[:, :, rows], k[:, :, :b], v[:, :, :b], mask[..., a:b, :b])
                 out[:, rows] = result.transpose(1, 2)
                 continue
             item = 0
             for start, run in itertools.groupby(key_starts):
                 items = slice(item, item + len(list(run)))
-                result = F.scaled_dot_product_attention(
-                    q[items, :, rows], k[items, :, start:b], v[items, :, start:b]
-                )
+                result = _attention_call(q[items, :, rows], k[items, :, start:b], v[items, :, start:b])
                 out[items, rows] = result.transpose(1, 2)
                 item = items.stop
     return out

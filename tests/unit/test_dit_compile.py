@@ -134,11 +134,19 @@ def test_selective_checkpointing_of_compiled_blocks_with_row_groups_attends_once
     """The 768p recipe's stack: compiled blocks, the row groups' eager attention between their compiled parts
     (``skip_future_keys``), every block checkpointed with the ``selective`` policy. The backward recomputes
     the blocks without running an attention kernel, with the outputs and gradients of the eager model
-    checkpointed with ``full``."""
+    checkpointed with ``full``. The checkpoint's dispatch mode sees the attention kernels' calls only."""
     import pfctl.models.attention_layout as dc
+    import pfctl.models.fast.checkpointing as ckpt
     from pfctl.models.fast import FastPaths, apply_fast_paths
 
     monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", 8)
+    seen, keep = set(), ckpt._keep_attention
+
+    def policy(ctx, op, *args, **kwargs):
+        seen.add(op)
+        return keep(ctx, op, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "_keep_attention", policy)
     args, results, backward_runs = inputs(), [], []
     args["sample"][1] = [torch.randn(2, LATENT_C, 1, 4, 4), torch.randn(2, LATENT_C, 5, 4, 4)]  # grouped
     torch._dynamo.reset()
@@ -158,6 +166,9 @@ def test_selective_checkpointing_of_compiled_blocks_with_row_groups_attends_once
     finally:
         torch._dynamo.reset()
     assert backward_runs[0] > 0 and backward_runs[1] == 0
+    # the attention kernels went through the mode, and nothing else: not the compiled graphs' products, not the
+    # row groups' slicing and copying
+    assert seen and seen <= ckpt.kept_operators(), seen
     for a, b in zip(results[0][0], results[1][0], strict=True):
         assert_rounding_close(b, a, **SUMS)
     for name, grad in results[0][1].items():

@@ -12,17 +12,27 @@ Two policies (torchtitan's ``full`` and op-level ``selective``):
   and head next to the block's activations) are kept from the forward, so the recomputation runs the block's
   products and elementwise work but not its attention, the block's costliest part at long token counts.
   The kept results are the ones the recomputation would produce (the same kernel on the same inputs).
+
+``selective`` works through PyTorch's selective-checkpoint dispatch mode, which sees every operator the block
+runs. A compiled block whose attention runs outside its graphs (row groups: :mod:`.row_groups`) enters that
+mode around its attention kernel calls only, so neither the compiled graphs' operators nor the row groups'
+slicing and copying pay the mode's per-operator cost (thousands of operators a 768p step).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch.utils.checkpoint
 from torch import nn
 
+from pfctl.models.attention_layout import PyramidLayout, kernel_call_context
 from pfctl.models.dit_layers import check_ratio, num_checkpointed
+from pfctl.models.fast.row_groups import CompiledRowGroups
 
 __all__ = ["Checkpointed", "checkpointed_blocks", "kept_operators"]
 
@@ -55,6 +65,32 @@ def _selective_contexts() -> tuple[Any, Any]:
     return torch.utils.checkpoint.create_selective_checkpoint_contexts(_keep_attention)
 
 
+@contextlib.contextmanager
+def _around_attention(context: Callable[[], Any]) -> Iterator[None]:
+    """Each fused attention call of the block's eager attention runs under ``context()``
+    (:data:`pfctl.models.attention_layout.kernel_call_context`), the rest of the block under nothing."""
+    token = kernel_call_context.set(context)
+    try:
+        yield
+    finally:
+        kernel_call_context.reset(token)
+
+
+def _island_contexts() -> tuple[Any, Any]:
+    """:func:`_selective_contexts` for a block whose attention runs eagerly between its compiled graphs: a pair of
+    them per attention kernel call (a replaying context is entered once), the keeping one entered around the
+    call in the forward, its replaying twin around the same call in the recomputation (the calls come in the
+    same order)."""
+    replays: collections.deque = collections.deque()
+
+    def keep() -> Any:
+        keeping, replaying = _selective_contexts()
+        replays.append(replaying)
+        return keeping
+
+    return _around_attention(keep), _around_attention(replays.popleft)
+
+
 class Checkpointed:
     """Mixin of a block: its call runs under ``torch.utils.checkpoint`` (non-reentrant) when training, if
     ``activation_checkpointing`` is set on it, with ``checkpointing_policy`` (the module docstring's two).
@@ -67,9 +103,19 @@ class Checkpointed:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.activation_checkpointing and self.training and torch.is_grad_enabled():
             if self.checkpointing_policy == "selective":
-                kwargs["context_fn"] = _selective_contexts
+                kwargs["context_fn"] = (
+                    _island_contexts if self._attention_in_island(args) else _selective_contexts
+                )
             return torch.utils.checkpoint.checkpoint(super().__call__, *args, use_reentrant=False, **kwargs)
         return super().__call__(*args, **kwargs)
+
+    def _attention_in_island(self, args: tuple) -> bool:
+        """Whether this call's attention runs in the row groups' eager island (:mod:`.row_groups`): the block's
+        attention modules are compiled ones and the model attends in row groups (the layout says)."""
+        layout = next((a for a in args if isinstance(a, PyramidLayout)), None)
+        if layout is None or not layout.grouping:
+            return False
+        return any(isinstance(m, CompiledRowGroups) for m in self.modules())
 
 
 def checkpointed_blocks(blocks: list[tuple[str, nn.Module]], ratio: float) -> list[tuple[str, nn.Module]]:
