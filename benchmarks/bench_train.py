@@ -492,6 +492,7 @@ def profile_step(trainer: Any, cuda: bool) -> None:
     key = "cuda_time_total" if cuda else "cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
     if cuda:  # under the profiler the host is slower: a low figure may be the profiler's own cost
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
         from kernel_profile import gpu_busy_seconds
 
         busy_s = gpu_busy_seconds(prof.events())
