@@ -59,6 +59,7 @@ def apply_fast_paths(model: nn.Module, paths: FastPaths) -> list[str]:
     blocks_in_order = getattr(model, "blocks_in_order", None)
     if paths.checkpointing_ratio > 0 and blocks_in_order is not None:
         from pfctl.models.fast.checkpointing import Checkpointed, checkpointed_blocks
+        from pfctl.models.fast.row_groups import CompiledRowGroups
 
         blocks = blocks_in_order()
         chosen = {id(block) for _, block in checkpointed_blocks(blocks, paths.checkpointing_ratio)}
@@ -66,6 +67,7 @@ def apply_fast_paths(model: nn.Module, paths: FastPaths) -> list[str]:
             swap_class(block, Checkpointed)
             block.activation_checkpointing = id(block) in chosen
             block.checkpointing_policy = paths.checkpointing_policy
+            block.attention_outside_graph = any(isinstance(m, CompiledRowGroups) for m in block.modules())
         ratio, policy = paths.checkpointing_ratio, paths.checkpointing_policy
         applied.append(f"activation checkpointing (ratio {ratio:g}, {policy})")
     if paths.compile and blocks_in_order is not None:

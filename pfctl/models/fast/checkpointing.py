@@ -32,7 +32,6 @@ from torch import nn
 
 from pfctl.models.attention_layout import PyramidLayout, kernel_call_context
 from pfctl.models.dit_layers import check_ratio, num_checkpointed
-from pfctl.models.fast.row_groups import CompiledRowGroups
 
 __all__ = ["Checkpointed", "checkpointed_blocks", "kept_operators"]
 
@@ -99,6 +98,8 @@ class Checkpointed:
 
     activation_checkpointing: bool = False
     checkpointing_policy: Policy = "full"
+    #: the block's attention modules run row groups outside its compiled graphs (:class:`.row_groups.CompiledRowGroups`)
+    attention_outside_graph: bool = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.activation_checkpointing and self.training and torch.is_grad_enabled():
@@ -112,10 +113,10 @@ class Checkpointed:
     def _attention_in_island(self, args: tuple) -> bool:
         """Whether this call's attention runs in the row groups' eager island (:mod:`.row_groups`): the block's
         attention modules are compiled ones and the model attends in row groups (the layout says)."""
-        layout = next((a for a in args if isinstance(a, PyramidLayout)), None)
-        if layout is None or not layout.grouping:
+        if not self.attention_outside_graph:
             return False
-        return any(isinstance(m, CompiledRowGroups) for m in self.modules())
+        layout = next((a for a in args if isinstance(a, PyramidLayout)), None)
+        return layout is not None and layout.grouping
 
 
 def checkpointed_blocks(blocks: list[tuple[str, nn.Module]], ratio: float) -> list[tuple[str, nn.Module]]:
