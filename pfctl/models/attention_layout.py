@@ -191,6 +191,40 @@ def _attention_call(
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+class RowGroupCall(NamedTuple):
+    """One attention call of row groups: the ``items`` (batch), query ``rows`` (of ``q``, which starts at
+    position ``first``) and ``keys`` it attends, and ``mask_rows`` (positions: the rows of the column's
+    mask it reads, with columns ``keys``), None for a call without a mask."""
+
+    items: slice
+    rows: slice
+    keys: slice
+    mask_rows: slice | None
+
+
+def row_group_calls(row_groups: Sequence[RowGroup], first: int = 0) -> list[RowGroupCall]:
+    """The calls that attend ``row_groups`` for the queries from position ``first`` on (a group's rows before
+    ``first`` are not computed): a group under the mask is one call, rows ``[a, b)`` against keys ``[0, b)``;
+    a group with ``key_starts`` one call per run of items with the same start (and one more for the first
+    group's text padding before it). See :func:`_attention_by_row_groups`."""
+    calls = []
+    for a, b, key_starts in row_groups:
+        if b <= first:
+            continue
+        a = max(a, first)
+        if key_starts is None:
+            calls.append(RowGroupCall(slice(None), slice(a - first, b - first), slice(0, b), slice(a, b)))
+            continue
+        item = 0
+        for start, run in itertools.groupby(key_starts):
+            items = slice(item, item + len(list(run)))
+            for lo, hi, keys in ((a, min(start, b), slice(0, start)), (max(a, start), b, slice(start, b))):
+                if lo < hi:  # the text padding's rows (first group only), then the valid rows
+                    calls.append(RowGroupCall(items, slice(lo - first, hi - first), keys, None))
+            item = items.stop
+    return calls
+
+
 def _attention_by_row_groups(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -201,28 +235,17 @@ def _attention_by_row_groups(
     first: int = 0,
 ) -> torch.Tensor:
     """Rows ``[a, b)`` of the masked attention against keys ``[0, b)`` only, for each group; ``q [B, H, Sq,
-    hd]`` (positions ``first..S-1``), ``k, v [B, H, S, hd]`` -> ``[B, Sq, H, hd]``, each group's result written
-    straight into its rows (a group's rows before ``first`` are not computed). Exact: every key at or after
-    ``b`` is masked for every row of the group, so it adds exactly 0. A group with ``key_starts`` needs no mask
-    at all: item ``i`` attends keys ``[key_starts[i], b)``, every one visible to every row (one call per run of
-    items with the same start)."""
+    hd]`` (positions ``first..S-1``), ``k, v [B, H, S, hd]`` -> ``[B, Sq, H, hd]``, each call's result written
+    straight into its rows (:func:`row_group_calls`). Exact: every key at or after ``b`` is masked for every
+    row of the group, so it adds exactly 0. A group with ``key_starts`` needs no mask at all: item ``i``'s
+    rows from ``key_starts[i]`` on attend keys ``[key_starts[i], b)``, every one visible to every one of
+    them, and the first group's rows of text padding before it attend the padding ``[0, key_starts[i])``."""
     out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
     with attention_kernels(backend):
-        for a, b, key_starts in row_groups:
-            if b <= first:
-                continue
-            a = max(a, first)
-            rows = slice(a - first, b - first)  # of q and out
-            if key_starts is None:
-                result = _attention_call(q[:, :, rows], k[:, :, :b], v[:, :, :b], mask[..., a:b, :b])
-                out[:, rows] = result.transpose(1, 2)
-                continue
-            item = 0
-            for start, run in itertools.groupby(key_starts):
-                items = slice(item, item + len(list(run)))
-                result = _attention_call(q[items, :, rows], k[items, :, start:b], v[items, :, start:b])
-                out[items, rows] = result.transpose(1, 2)
-                item = items.stop
+        for items, rows, keys, mask_rows in row_group_calls(row_groups, first):
+            part = None if mask_rows is None else mask[items, :, mask_rows, keys]
+            result = _attention_call(q[items, :, rows], k[items, :, keys], v[items, :, keys], part)
+            out[items, rows] = result.transpose(1, 2)
     return out
 
 
@@ -237,8 +260,9 @@ ROW_GROUP_MIN_TOKENS = 6144
 
 class RowGroup(NamedTuple):
     """Query rows ``[start, end)`` of one column, attended against keys ``[0, end)`` under the column's mask;
-    or, with ``key_starts`` (one per item), against keys ``[key_starts[i], end)`` with no mask: the rows are one
-    frame's image tokens and every one of those keys is visible to all of them."""
+    or, with ``key_starts`` (one per item), with no mask: the rows are one frame's image tokens (the first
+    frame's with the text before it), every key in ``[key_starts[i], end)`` is visible to all of them but the
+    text padding ``[0, key_starts[i])``, which sees only itself."""
 
     start: int
     end: int
@@ -257,15 +281,16 @@ def causal_row_groups(
     frame 0 with the first image frame, so the first group holds both).
 
     ``key_starts`` (per item: where its valid text begins, the text being left-aligned as
-    :func:`left_align_text` leaves it) marks the groups of a single frame after the first as needing no mask:
-    their rows see every key from the item's valid text to the frame's end, and nothing else."""
+    :func:`left_align_text` leaves it) marks the groups of a single frame as needing no mask: their rows see
+    every key from the item's valid text to the frame's end, and nothing else (the first frame's group holds
+    the text too, whose padding sees only the padding)."""
     frames = [h * w for t, h, w in clip_grids for _ in range(t)]
     groups: list[RowGroup] = []
     start, end, count = 0, text_len, 0  # the open group: rows [start, end), ``count`` frames
 
     def close() -> None:
         nonlocal start, count
-        plain = key_starts is not None and count == 1 and start >= text_len
+        plain = key_starts is not None and count == 1
         groups.append(RowGroup(start, end, tuple(key_starts) if plain else None))
         start, count = end, 0
 

@@ -364,8 +364,9 @@ def test_attention_backends_set_the_sdpa_kernels_around_every_call(kind: str, mo
 def test_causal_row_groups_skip_only_masked_keys() -> None:
     """Every key a row group skips (at or after its end) is masked for every row of the group, under the real
     mask with text padding; groups tile the sequence and close at frame boundaries after ``min_rows``, a frame
-    that large standing alone. A group marked mask-free (``key_starts``, left-aligned text) sees exactly the
-    keys from each item's valid text to its end."""
+    that large standing alone. A group marked mask-free (``key_starts``, left-aligned text) is one frame's,
+    the first with the text: its rows see exactly the keys from each item's valid text to its end, those of
+    the text padding only the padding."""
     from pfctl.models.attention_layout import MASKED, build_attention_bias, causal_row_groups
 
     grids = [(1, 2, 3), (2, 4, 4), (3, 4, 4)]  # history clips, then the current clip: 6 frames
@@ -385,13 +386,18 @@ def test_causal_row_groups_skip_only_masked_keys() -> None:
             assert g.end - g.start >= min_rows or (after.end - after.start >= min_rows and after.key_starts)
         for start, end, starts in groups:
             assert bool((bias[:, :, start:end, end:] == MASKED).all())
-            single_frame = start >= text_len and end - start in frame_rows and start in frame_ends
+            single_frame = (start >= text_len and end - start in frame_rows and start in frame_ends) or (
+                start == 0 and end == frame_ends[0]  # the text and the first frame
+            )
             assert (starts is not None) == single_frame
             for item, first in enumerate(starts or ()):
-                assert bool((bias[item, :, start:end, first:end] == 0).all())
-                assert bool((bias[item, :, start:end, :first] == MASKED).all())
+                valid, padding = slice(max(start, first), end), slice(start, max(start, first))
+                assert bool((bias[item, :, valid, first:end] == 0).all())
+                assert bool((bias[item, :, valid, :first] == MASKED).all())
+                assert bool((bias[item, :, padding, :first] == 0).all())  # the padding sees only itself
+                assert bool((bias[item, :, padding, first:end] == MASKED).all())
     one_per_frame = causal_row_groups(text_len, grids, 1, key_starts)
-    assert len(one_per_frame) == 6 and all(g.key_starts == (2, 0) for g in one_per_frame[1:])
+    assert len(one_per_frame) == 6 and all(g.key_starts == (2, 0) for g in one_per_frame)
     assert [g.end - g.start for g in causal_row_groups(text_len, grids, 16)] == [
         text_len + 6,
         16,
@@ -451,7 +457,7 @@ def test_left_aligned_text_keeps_the_valid_tokens() -> None:
 
 def test_grouped_columns_build_only_the_mask_their_masked_groups_read(monkeypatch) -> None:
     """In row groups the mask is built only up to the end of the last group attended under it (the
-    single-frame groups after it attend without one); a column in one masked call gets its whole mask."""
+    single-frame groups attend without one); a column in one masked call gets its whole mask."""
     import pfctl.models.attention_layout as dc
 
     monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", 16)  # each 16-token frame after the first is a group
@@ -460,11 +466,12 @@ def test_grouped_columns_build_only_the_mask_their_masked_groups_read(monkeypatc
     model.set_attention_backend("auto", skip_future_keys=True, min_tokens=80)  # column 1 (89 tokens) grouped
     grids = [[(c.shape[2], c.shape[3] // 2, c.shape[4] // 2) for c in col] for col in args["sample"]]
     mask = args["encoder_attention_mask"]
-    for text_lengths, extents in ((None, [69, 89]), (dc.right_padded_lengths(mask), [69, 9])):
+    # with the text lengths known every group is a single frame's (the first with the text): no mask at all
+    for text_lengths, extents in ((None, [69, 89]), (dc.right_padded_lengths(mask), [69, 0])):
         layout = model.build_layout(grids, mask, 2, torch.float32, text_lengths)
         assert [m.shape[2] for m in layout.attn_masks] == extents
         masked = [g for g in layout.row_groups[1] if g.key_starts is None]
-        assert layout.row_groups[0] is None and masked[-1].end == extents[1]
+        assert layout.row_groups[0] is None and max((g.end for g in masked), default=0) == extents[1]
         assert len(masked) < len(layout.row_groups[1]) or text_lengths is None
 
 
