@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite in one call (2x H200: single-GPU benchmarks on GPU 0, then the
 # 2-process sync-group run and the FSDP tests on both). Results: $OUT (or ./bench-out).
-# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,refgen768,gen768,gen768skip,gen768prof,attention,traingraphs,rowgroups,lowmem,fp8,refgen1,recipe384,graphtests,recipe768,warmupprof,recipe768prof,recipe768rowgroups,composetest,recipe384warm,gen2gpu,lowmem768]
+# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,refgen768,gen768,gen768skip,gen768prof,attention,traingraphs,rowgroups,lowmem,fp8,refgen1,recipe384,graphtests,recipe768,warmupprof,recipe768prof,recipe768rowgroups,recipe768rows,composetest,recipe384warm,gen2gpu,lowmem768]
 # (LAYOUTS=channels_last_unfused,channels_last picks the VAE layouts the vae steps time)
 # (TRAIN_VARIANTS=efficient,efficient+compile+skip picks the pfctl variants the trainvariants step times)
 # (reference: needs a Pyramid-Flow checkout in third_party/Pyramid-Flow and einops; not in the default list)
@@ -144,6 +144,14 @@ case ",$STEPS," in *,recipe768rowgroups,*)
   for n in 0 6144; do
     set_n=(); [ $n = 6144 ] && set_n=(--set train.row_group_min_tokens=null)
     CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-768p-8gpu --processes 1 --warmup 8 --steps 8 --no-checkpoint "${set_n[@]}" --json "$OUT/recipe768_rowgroups_$n.json" 2>&1 | tee -a "$OUT/suite.log" | grep -E "^(steady|image tokens|MFU|peak|step times)"
+  done;;
+esac
+case ",$STEPS," in *,recipe768rows,*)
+  # session 28: the masked calls (groups of several small frames, on the memory-efficient kernel) took the
+  # largest share of the 768p step's GPU time: one frame per group attends every call with no mask (flash)
+  echo "=== the 768p recipe on one GPU, row groups closing at 512 rows (the model's), then one frame per group (GPU $GPU; ~5 min)"
+  for n in 512 1; do
+    CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-768p-8gpu --processes 1 --warmup 8 --steps 8 --no-checkpoint --set train.row_group_min_rows=$n --json "$OUT/recipe768_rows_$n.json" 2>&1 | tee -a "$OUT/suite.log" | grep -E "^(steady|image tokens|MFU|host busy|peak|step times|last loss|time to)"
   done;;
 esac
 case ",$STEPS," in *,recipe768prof,*)

@@ -200,6 +200,10 @@ class TrainConfig(Section):
     """With ``skip_future_keys``: the shortest column (text + image tokens) attended in row groups; shorter ones
     take one masked call over all their keys. None (default): the model's own threshold (6,144 tokens); ``0``
     groups every column (what generate does)."""
+    row_group_min_rows: int | None = Field(default=None, ge=1)
+    """With ``skip_future_keys``: the fewest query rows a row group closes with (whole frames are gathered
+    until it has them). None (default): the model's own, 512 rows (chosen for sampling); ``1``: one frame per
+    group, so every call attends with no mask (the flash kernel), at the cost of more, smaller calls."""
     compile: bool | Literal["auto"] = "auto"
     """``torch.compile`` each DiT block (dynamic shapes): fuses the norms, RoPE, modulation and residuals around
     the matmuls, forward and backward. ``auto`` (default): on CUDA, off on the CPU (where the blocks run

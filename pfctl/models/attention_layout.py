@@ -250,7 +250,9 @@ def _attention_by_row_groups(
 
 
 #: the fewest query rows a group of :func:`causal_row_groups` closes with (whole frames are added until it has
-#: them; a frame that large is a group of its own); chosen by benchmarks/bench_video_attention.py (RESULTS.md)
+#: them; a frame that large is a group of its own) unless the model is told otherwise (``set_attention_backend(
+#: min_rows=)``, ``train.row_group_min_rows``); chosen for sampling by benchmarks/bench_video_attention.py and
+#: kept by training, where one frame per group was slower (RESULTS.md)
 ROW_GROUP_MIN_ROWS = 512
 #: the shortest column (text + image tokens) attended in row groups when the model is not told otherwise
 #: (``set_attention_backend(min_tokens=)``; generate passes 0: every column). Training keeps it unless told
@@ -464,27 +466,34 @@ class PyramidAttention:
     skip_future_keys: bool = False
     #: the shortest column attended in row groups (None: :data:`ROW_GROUP_MIN_TOKENS`)
     row_group_min_tokens: int | None = None
+    #: the fewest rows a row group closes with (None: :data:`ROW_GROUP_MIN_ROWS`)
+    row_group_min_rows: int | None = None
 
     def set_attention_backend(
-        self, backend: str, skip_future_keys: bool = False, min_tokens: int | None = None
+        self,
+        backend: str,
+        skip_future_keys: bool = False,
+        min_tokens: int | None = None,
+        min_rows: int | None = None,
     ) -> None:
         """Run attention with ``backend``: ``auto`` (default), ``efficient`` or ``cudnn`` (:func:`attention_kernels`);
         with ``skip_future_keys`` (temporal-causal models only) in row groups that skip the keys causality hides
-        (:func:`causal_row_groups`), for columns of ``min_tokens`` or more (None: :data:`ROW_GROUP_MIN_TOKENS`).
-        Same results up to float rounding either way."""
+        (:func:`causal_row_groups`), for columns of ``min_tokens`` or more (None: :data:`ROW_GROUP_MIN_TOKENS`),
+        each closing at ``min_rows`` rows (None: :data:`ROW_GROUP_MIN_ROWS`; 1: one frame per group, every
+        group without a mask). Same results up to float rounding either way."""
         if backend not in ATTENTION_BACKENDS:
             raise ConfigError(
                 f"unknown attention backend {backend!r}", hint=f"use one of {', '.join(ATTENTION_BACKENDS)}"
             )
-        if min_tokens is not None and (
-            isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0
-        ):
-            raise ConfigError(
-                f"row-group threshold {min_tokens!r} is not a token count", hint="use an integer >= 0"
-            )
+        for name, value, least in (("threshold", min_tokens, 0), ("minimum rows", min_rows, 1)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise ConfigError(
+                    f"row-group {name} {value!r} is not a token count", hint=f"use an integer >= {least}"
+                )
         self.attention_backend = backend
         self.skip_future_keys = bool(skip_future_keys)
         self.row_group_min_tokens = min_tokens
+        self.row_group_min_rows = min_rows
 
     @property
     def row_groups_active(self) -> bool:
@@ -503,12 +512,13 @@ class PyramidAttention:
         if not self.row_groups_active:
             return None
         threshold = ROW_GROUP_MIN_TOKENS if self.row_group_min_tokens is None else self.row_group_min_tokens
+        min_rows = ROW_GROUP_MIN_ROWS if self.row_group_min_rows is None else self.row_group_min_rows
         groups: list[list[RowGroup] | None] = []
         for k, col in enumerate(grids):
             starts = None
             if text_lengths is not None:  # rows are interleaved: item b of column k is row b*K + k
                 starts = [text_len - n for n in text_lengths[k :: len(grids)]]
-            groups.append(column_row_groups(text_len, col, starts, threshold, ROW_GROUP_MIN_ROWS))
+            groups.append(column_row_groups(text_len, col, starts, threshold, min_rows))
         return None if all(g is None for g in groups) else groups
 
     def attention_masks(

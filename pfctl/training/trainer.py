@@ -465,7 +465,9 @@ class Trainer:
         self.model_name, model, base_model_path, model_info = build_model(self.config)
         check_cache_matches_model(self.data.cache, model)
         check_cache_buckets(cache_clips(self.data.cache), model, cfg)
-        model.set_attention_backend(cfg.attention, cfg.skip_future_keys, cfg.row_group_min_tokens)
+        model.set_attention_backend(
+            cfg.attention, cfg.skip_future_keys, cfg.row_group_min_tokens, cfg.row_group_min_rows
+        )
         self.weights = trained_weights(
             self.config, model_name=self.model_name, base_model_path=base_model_path, model_info=model_info
         )

@@ -278,14 +278,16 @@ def test_skip_future_keys_trains_like_one_call_attention(
 ) -> None:
     """``train.skip_future_keys``: the trainer hands the DiT each batch's text lengths (read before the copy
     to the device), so single-frame row groups attend with no mask; the losses are the one-call ones. With
-    ``train.row_group_min_tokens=0`` the tiny preset's short columns are grouped too."""
+    ``train.row_group_min_tokens=0`` the tiny preset's short columns are grouped too; with
+    ``train.row_group_min_rows=1`` every group is one frame's, none attended under the mask."""
     import pfctl.models.attention_layout as dc
 
     monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", 4)  # several groups on the tiny preset's columns
-    grouped, key_starts = dc._attention_by_row_groups, set()
+    grouped, key_starts, masked = dc._attention_by_row_groups, set(), []
 
     def recording(*args: object) -> torch.Tensor:
         key_starts.update(g.key_starts for g in args[5] if g.key_starts is not None)  # the row groups
+        masked.extend(g.key_starts is None for g in args[5])
         return grouped(*args)
 
     monkeypatch.setattr(dc, "_attention_by_row_groups", recording)
@@ -295,8 +297,16 @@ def test_skip_future_keys_trains_like_one_call_attention(
         config(cache, tmp_path / "grouped", max_steps=3, skip_future_keys=True, row_group_min_tokens=0)
     )
     assert len({start for starts in key_starts for start in starts}) > 1  # captions of different lengths
+    assert any(masked)  # groups of several frames
     # another attention path sums in another order: 3 steps of a forward and a backward (helpers.tolerance)
     assert_rounding_close(grouped_run.losses, one_call.losses, reduction=128, depth=3 * 32)
+    masked.clear()
+    per_frame = api.train(
+        config(cache, tmp_path / "frames", max_steps=3, skip_future_keys=True, row_group_min_tokens=0,
+               row_group_min_rows=1)
+    )  # fmt: skip
+    assert masked and not any(masked)
+    assert_rounding_close(per_frame.losses, one_call.losses, reduction=128, depth=3 * 32)
 
 
 def test_compiled_runs_log_their_warm_up(
