@@ -217,11 +217,12 @@ def row_group_calls(row_groups: Sequence[RowGroup], first: int = 0) -> list[RowG
             continue
         item = 0
         for start, run in itertools.groupby(key_starts):
-            items = slice(item, item + len(list(run)))
+            count = len(list(run))
+            items = slice(None) if count == len(key_starts) else slice(item, item + count)
             for lo, hi, keys in ((a, min(start, b), slice(0, start)), (max(a, start), b, slice(start, b))):
                 if lo < hi:  # the text padding's rows (first group only), then the valid rows
                     calls.append(RowGroupCall(items, slice(lo - first, hi - first), keys, None))
-            item = items.stop
+            item += count
     return calls
 
 
@@ -240,9 +241,23 @@ def _attention_by_row_groups(
     row of the group, so it adds exactly 0. A group with ``key_starts`` needs no mask at all: item ``i``'s
     rows from ``key_starts[i]`` on attend keys ``[key_starts[i], b)``, every one visible to every one of
     them, and the first group's rows of text padding before it attend the padding ``[0, key_starts[i])``."""
+    calls = row_group_calls(row_groups, first)
+    if all(call.items == slice(None) for call in calls):  # the calls tile the rows in order
+        # one split of the queries and one concatenation of the results: with gradients two autograd nodes,
+        # where slicing and copying into an output would add two per call, each with a backward that fills a
+        # whole query- or output-sized gradient
+        queries = q.split([call.rows.stop - call.rows.start for call in calls], dim=2)
+        with attention_kernels(backend):
+            results = [
+                _attention_call(
+                    rows, k[:, :, keys], v[:, :, keys], None if at is None else mask[..., at, keys]
+                )
+                for rows, (_, _, keys, at) in zip(queries, calls, strict=True)
+            ]
+        return torch.cat([result.transpose(1, 2) for result in results], dim=1)
     out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
     with attention_kernels(backend):
-        for items, rows, keys, mask_rows in row_group_calls(row_groups, first):
+        for items, rows, keys, mask_rows in calls:
             part = None if mask_rows is None else mask[items, :, mask_rows, keys]
             result = _attention_call(q[items, :, rows], k[items, :, keys], v[items, :, keys], part)
             out[items, rows] = result.transpose(1, 2)
@@ -485,10 +500,11 @@ class PyramidAttention:
             raise ConfigError(
                 f"unknown attention backend {backend!r}", hint=f"use one of {', '.join(ATTENTION_BACKENDS)}"
             )
-        for name, value, least in (("threshold", min_tokens, 0), ("minimum rows", min_rows, 1)):
+        for name, value, least in (("threshold", min_tokens, 0), ("minimum", min_rows, 1)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                counted = "token" if name == "threshold" else "row"
                 raise ConfigError(
-                    f"row-group {name} {value!r} is not a token count", hint=f"use an integer >= {least}"
+                    f"row-group {name} {value!r} is not a {counted} count", hint=f"use an integer >= {least}"
                 )
         self.attention_backend = backend
         self.skip_future_keys = bool(skip_future_keys)

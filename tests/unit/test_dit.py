@@ -359,6 +359,10 @@ def test_attention_backends_set_the_sdpa_kernels_around_every_call(kind: str, mo
             assert_rounding_close(got, want, **SUMS)
     with pytest.raises(ConfigError, match="attention backend"):
         model.set_attention_backend("flex")
+    with pytest.raises(ConfigError, match="row-group minimum 0 is not a row count"):
+        model.set_attention_backend("auto", skip_future_keys=True, min_rows=0)
+    with pytest.raises(ConfigError, match="row-group threshold -1 is not a token count"):
+        model.set_attention_backend("auto", skip_future_keys=True, min_tokens=-1)
 
 
 def test_causal_row_groups_skip_only_masked_keys() -> None:
