@@ -236,8 +236,8 @@ def _attention_by_row_groups(
     first: int = 0,
 ) -> torch.Tensor:
     """Rows ``[a, b)`` of the masked attention against keys ``[0, b)`` only, for each group; ``q [B, H, Sq,
-    hd]`` (positions ``first..S-1``), ``k, v [B, H, S, hd]`` -> ``[B, Sq, H, hd]``, each call's result written
-    straight into its rows (:func:`row_group_calls`). Exact: every key at or after ``b`` is masked for every
+    hd]`` (positions ``first..S-1``), ``k, v [B, H, S, hd]`` -> ``[B, Sq, H, hd]``, the calls' results
+    (:func:`row_group_calls`) concatenated in row order, or written into their rows and items. Exact: every key at or after ``b`` is masked for every
     row of the group, so it adds exactly 0. A group with ``key_starts`` needs no mask at all: item ``i``'s
     rows from ``key_starts[i]`` on attend keys ``[key_starts[i], b)``, every one visible to every one of
     them, and the first group's rows of text padding before it attend the padding ``[0, key_starts[i])``."""
