@@ -237,30 +237,33 @@ def _attention_by_row_groups(
 ) -> torch.Tensor:
     """Rows ``[a, b)`` of the masked attention against keys ``[0, b)`` only, for each group; ``q [B, H, Sq,
     hd]`` (positions ``first..S-1``), ``k, v [B, H, S, hd]`` -> ``[B, Sq, H, hd]``, the calls' results
-    (:func:`row_group_calls`) concatenated in row order, or written into their rows and items. Exact: every key at or after ``b`` is masked for every
-    row of the group, so it adds exactly 0. A group with ``key_starts`` needs no mask at all: item ``i``'s
-    rows from ``key_starts[i]`` on attend keys ``[key_starts[i], b)``, every one visible to every one of
-    them, and the first group's rows of text padding before it attend the padding ``[0, key_starts[i])``."""
+    (:func:`row_group_calls`) concatenated in row order, or written into their rows and items. Exact: every key
+    at or after ``b`` is masked for every row of the group, so it adds exactly 0. A group with ``key_starts``
+    needs no mask at all: item ``i``'s rows from ``key_starts[i]`` on attend keys ``[key_starts[i], b)``, every
+    one visible to every one of them, and the first group's rows of text padding before it attend the padding
+    ``[0, key_starts[i])``."""
     calls = row_group_calls(row_groups, first)
-    if all(call.items == slice(None) for call in calls):  # the calls tile the rows in order
-        # one split of the queries and one concatenation of the results: with gradients two autograd nodes,
-        # where slicing and copying into an output would add two per call, each with a backward that fills a
-        # whole query- or output-sized gradient
-        queries = q.split([call.rows.stop - call.rows.start for call in calls], dim=2)
-        with attention_kernels(backend):
-            results = [
-                _attention_call(
-                    rows, k[:, :, keys], v[:, :, keys], None if at is None else mask[..., at, keys]
-                )
-                for rows, (_, _, keys, at) in zip(queries, calls, strict=True)
-            ]
-        return torch.cat([result.transpose(1, 2) for result in results], dim=1)
-    out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+    # calls that all attend every item tile the rows in order: one split of the queries and one concatenation
+    # of the results, with gradients two autograd nodes, where slicing and copying into an output would add
+    # two per call, each with a backward that fills a whole query- or output-sized gradient
+    whole = all(call.items == slice(None) for call in calls)
+    queries = (
+        q.split([call.rows.stop - call.rows.start for call in calls], dim=2)
+        if whole
+        else [q[call.items, :, call.rows] for call in calls]
+    )
     with attention_kernels(backend):
-        for items, rows, keys, mask_rows in calls:
-            part = None if mask_rows is None else mask[items, :, mask_rows, keys]
-            result = _attention_call(q[items, :, rows], k[items, :, keys], v[items, :, keys], part)
-            out[items, rows] = result.transpose(1, 2)
+        results = (  # each call's [b, rows, H, hd], computed as it is taken
+            _attention_call(
+                query, k[items, :, keys], v[items, :, keys], None if at is None else mask[items, :, at, keys]
+            ).transpose(1, 2)
+            for query, (items, _, keys, at) in zip(queries, calls, strict=True)
+        )
+        if whole:
+            return torch.cat(list(results), dim=1)
+        out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+        for (items, rows, _, _), result in zip(calls, results, strict=True):
+            out[items, rows] = result
     return out
 
 
@@ -500,9 +503,11 @@ class PyramidAttention:
             raise ConfigError(
                 f"unknown attention backend {backend!r}", hint=f"use one of {', '.join(ATTENTION_BACKENDS)}"
             )
-        for name, value, least in (("threshold", min_tokens, 0), ("minimum", min_rows, 1)):
+        for name, value, least, counted in (
+            ("threshold", min_tokens, 0, "token"),
+            ("minimum", min_rows, 1, "row"),
+        ):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
-                counted = "token" if name == "threshold" else "row"
                 raise ConfigError(
                     f"row-group {name} {value!r} is not a {counted} count", hint=f"use an integer >= {least}"
                 )
