@@ -27,9 +27,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pfctl.flow.pyramid import DEFAULT_SAMPLE_RATIOS, column_to_stage, history_layout, plan_stage_lengths  # noqa: E402
+from pfctl.flow.pyramid import DEFAULT_SAMPLE_RATIOS, column_to_stage, plan_stage_lengths  # noqa: E402
 from pfctl.models import attention_layout as dc  # noqa: E402
 from pfctl.models.registry import preset_config  # noqa: E402
+from pfctl.training.plan import column_grids  # noqa: E402
 
 RESOLUTIONS = {"384p": (48, 80), "768p": (96, 160)}  # latent height, width of the top stage
 TEXT_LEN = 128  # the recipes' text length; the synthetic benchmark caches fill it
@@ -39,18 +40,11 @@ COLUMNS = len(column_to_stage(DEFAULT_SAMPLE_RATIOS))  # columns a forward has
 def cycle_columns(height: int, width: int, max_units: int, group: int) -> list[list[tuple[int, int, int]]]:
     """Every column (its clips' token grids ``(t, h, w)``) of the forwards rank 0 makes in one cycle."""
     plan, stages = plan_stage_lengths(max_units, group), column_to_stage(DEFAULT_SAMPLE_RATIOS)
-    grid = {s: (height // 2 ** (3 - s), width // 2 ** (3 - s)) for s in range(3)}  # tokens: 2x2 patches
-    columns = []
-    for counter in range(plan.turns):
-        units = plan.lengths(counter, 0)
-        for s in stages:
-            n = units[s]
-            clips = []
-            for k, frames in reversed(history_layout(s, n - 1)):
-                count = len(range(n - 1)[frames])
-                clips.append((count, *grid[k]))
-            columns.append([*clips, (1, *grid[s])])
-    return columns
+    return [
+        column_grids(s, plan.lengths(counter, 0)[s], height, width)
+        for counter in range(plan.turns)
+        for s in stages
+    ]
 
 
 def attention_step(columns, setting: str, batch: int, heads: int, head_dim: int, device, dtype) -> dict:

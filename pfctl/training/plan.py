@@ -33,10 +33,24 @@ PATCH = 2
 NUM_STAGES = 3
 
 
-def tokens_per_frame(height: int, width: int, stage: int, num_stages: int = NUM_STAGES) -> int:
-    """Image tokens of one latent frame at ``stage`` (stage ``num_stages - 1`` = full resolution)."""
+def frame_grid(height: int, width: int, stage: int, num_stages: int = NUM_STAGES) -> tuple[int, int]:
+    """Token rows and columns of one latent frame at ``stage`` (stage ``num_stages - 1`` = full resolution)."""
     shrink = 2 ** (num_stages - 1 - stage)
-    return (height // shrink // PATCH) * (width // shrink // PATCH)
+    return height // shrink // PATCH, width // shrink // PATCH
+
+
+def tokens_per_frame(height: int, width: int, stage: int, num_stages: int = NUM_STAGES) -> int:
+    """Image tokens of one latent frame at ``stage``."""
+    rows, cols = frame_grid(height, width, stage, num_stages)
+    return rows * cols
+
+
+def column_grids(stage: int, units: int, height: int, width: int) -> list[tuple[int, int, int]]:
+    """The clips of one sample of a temporal-pyramid column as token grids ``(t, h, w)``, oldest first: its
+    history at the stages :func:`~pfctl.flow.pyramid.history_layout` gives, then the unit being trained."""
+    history = range(units - 1)
+    clips = [(len(history[sl]), *frame_grid(height, width, k)) for k, sl in history_layout(stage, units - 1)]
+    return [*reversed(clips), (1, *frame_grid(height, width, stage))]
 
 
 def column_tokens(stage: int, units: int | None, frames: int, height: int, width: int) -> int:
@@ -44,11 +58,7 @@ def column_tokens(stage: int, units: int | None, frames: int, height: int, width
     or all ``frames`` at the column's stage (non-AR mode, ``units`` None)."""
     if units is None:
         return frames * tokens_per_frame(height, width, stage)
-    total = tokens_per_frame(height, width, stage)
-    history = range(units - 1)
-    for k, sl in history_layout(stage, units - 1):
-        total += len(history[sl]) * tokens_per_frame(height, width, k)
-    return total
+    return sum(t * h * w for t, h, w in column_grids(stage, units, height, width))
 
 
 def token_count_sets(

@@ -13,7 +13,7 @@ from pfctl.config.train import TrainConfig, columns_to_stages
 from pfctl.data.dataset import ClipInfo
 from pfctl.flow.pyramid import build_full_sequence_batch, build_temporal_pyramid_batch, pyramid_latents
 from pfctl.flow.scheduler import PyramidFlowScheduler
-from pfctl.training.plan import column_tokens, plan_run, stage_units
+from pfctl.training.plan import column_grids, column_tokens, plan_run, stage_units
 
 
 def _tokens(sample: list[list[torch.Tensor]]) -> list[int]:
@@ -21,13 +21,15 @@ def _tokens(sample: list[list[torch.Tensor]]) -> list[int]:
 
 
 @pytest.mark.parametrize("units", [(1, 1, 1), (2, 2, 1), (3, 3, 2), (5, 5, 4), (6, 6, 6), (4, 4, 7)])
-def test_column_tokens_equal_the_built_inputs(units: tuple[int, int, int]) -> None:
+def test_column_tokens_and_grids_equal_the_built_inputs(units: tuple[int, int, int]) -> None:
     frames, h, w = 7, 16, 24
     pyramid = pyramid_latents(torch.randn(4, 16, frames, h, w))
     flow = PyramidFlowScheduler()
     batch = build_temporal_pyramid_batch(pyramid, flow, units, rng=torch.Generator().manual_seed(0))
     expected = [column_tokens(s, units[s], frames, h, w) for s in batch.column_to_stage]
     assert _tokens(batch.sample) == expected
+    grids = [[(c.shape[2], c.shape[3] // 2, c.shape[4] // 2) for c in column] for column in batch.sample]
+    assert grids == [column_grids(s, units[s], h, w) for s in batch.column_to_stage]  # clips, oldest first
     full = build_full_sequence_batch(pyramid, flow, rng=torch.Generator().manual_seed(0))
     assert _tokens(full.sample) == [column_tokens(s, None, frames, h, w) for s in full.column_to_stage]
 
