@@ -192,10 +192,10 @@ class TrainConfig(Section):
     """Cut the text padding and attend the query rows of long columns (6,144+ tokens) in groups of whole
     frames (512+ rows; a frame that large alone), each against the keys up to its last frame only, forward
     and backward; a single frame's rows attend with no mask. Same loss up to float rounding. Off by
-    default: with it on, every attention call of a compiled training step runs outside the compiled blocks
-    (grouped or not: one eager function for every column, so no step recompiles them), and these graph breaks
-    cost host time, so it pays only for long columns (768p and longer clips); 384p columns are too short to
-    be grouped at all. The 768p recipe turns it on."""
+    default: with it on, every attention call of a compiled training step goes through the row groups'
+    operator (grouped or not, so no step recompiles the blocks), which calls the kernels group by group, so
+    it pays only for long columns (768p and longer clips); 384p columns are too short to be grouped at all.
+    The 768p recipe turns it on."""
     row_group_min_tokens: int | None = Field(default=None, ge=0)
     """With ``skip_future_keys``: the shortest column (text + image tokens) attended in row groups; shorter ones
     take one masked call over all their keys. None (default): the model's own threshold (6,144 tokens); ``0``

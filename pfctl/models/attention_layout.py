@@ -17,7 +17,6 @@ work. The last block computes only the rows of each column's last clip (:func:`c
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,11 +34,6 @@ ATTENTION_BACKENDS = ("auto", "efficient", "cudnn")
 #: boolean False (cuDNN mishandles -inf). With it every backend matches a boolean mask bit for bit: next to
 #: any allowed key (every row has one, the diagonal) exp(score - 65504 - max) underflows to exactly 0.
 MASKED = -65504.0
-#: a context each fused attention call of eagerly run attention enters, if set: the fast layer's selective
-#: checkpointing of compiled blocks keeps the kernels' results there (:mod:`pfctl.models.fast.checkpointing`)
-kernel_call_context: contextvars.ContextVar[Callable[[], contextlib.AbstractContextManager] | None] = (
-    contextvars.ContextVar("kernel_call_context", default=None)
-)
 
 
 def by_column(rows: torch.Tensor, num_columns: int) -> torch.Tensor:
@@ -177,18 +171,8 @@ def masked_attention(
     if row_groups is not None:
         return _attention_by_row_groups(q, k, v, mask, backend, row_groups, first).flatten(2)
     with attention_kernels(backend):
-        out = _attention_call(q, k, v, mask[..., first:, :])  # [B, H, Sq, hd]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[..., first:, :])  # [B, H, Sq, hd]
     return out.transpose(1, 2).flatten(2)  # [B, Sq, H*hd]
-
-
-def _attention_call(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    """One SDPA call, under :data:`kernel_call_context` when it is set (never while compiling)."""
-    if torch.compiler.is_compiling() or (context := kernel_call_context.get()) is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    with context():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class RowGroupCall(NamedTuple):
@@ -254,7 +238,7 @@ def _attention_by_row_groups(
     )
     with attention_kernels(backend):
         results = (  # each call's [b, rows, H, hd], computed as it is taken
-            _attention_call(
+            F.scaled_dot_product_attention(
                 query, k[items, :, keys], v[items, :, keys], None if at is None else mask[items, :, at, keys]
             ).transpose(1, 2)
             for query, (items, _, keys, at) in zip(queries, calls, strict=True)
@@ -347,8 +331,9 @@ def mask_extents(
     (mask-free groups read none). None when no column is grouped."""
     if row_groups is None:
         return None
+    # at least 2 (or the whole column): a compiled block taking the mask would specialise on a size of 0 or 1
     return [
-        size if groups is None else max((g.end for g in groups if g.key_starts is None), default=0)
+        size if groups is None else min(size, max((g.end for g in groups if g.key_starts is None), default=2))
         for groups, size in zip(row_groups, sizes, strict=True)
     ]
 
@@ -422,17 +407,19 @@ class PyramidLayout:
     grouped: bool = field(init=False)  # row_groups is set (a flag compiled blocks can branch on)
     # the model attends long columns in row groups: this call's columns may all be too short to be grouped
     grouping: bool = False
-    # per column: the row groups as one host table (:func:`group_table`; a column without groups: one group),
-    # what an operator taking them as a tensor reads (pfctl.models.fast)
+    # per column, where the model groups or this call has groups: the row groups as one host table
+    # (:func:`group_table`; a column without groups: one group), what an operator taking them as a tensor reads
+    # (pfctl.models.fast)
     group_tables: list[torch.Tensor] | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.grouped = self.row_groups is not None
         self.group_tables = None
-        if self.row_groups is not None:
+        if self.grouping or self.grouped:
+            row_groups = self.row_groups or [None] * self.num_columns
             self.group_tables = [
                 group_table(groups or [RowGroup(0, self.text_len + n)], self.batch)
-                for groups, n in zip(self.row_groups, self.image_lengths, strict=True)
+                for groups, n in zip(row_groups, self.image_lengths, strict=True)
             ]
 
     def attend(self, column: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -469,8 +456,11 @@ def tail_table(table: RotaryTable, lengths: Sequence[int], tails: Sequence[int])
 
 def group_table(groups: Sequence[RowGroup], batch: int) -> torch.Tensor:
     """Row groups as a host table ``[G, 2 + batch]`` int64: start, end, then each item's key start (``-1``
-    throughout for a group attended under the mask)."""
+    throughout for a group attended under the mask). A single group is followed by an empty one (no rows): a
+    compiled block taking the table would specialise on a size of 1."""
     rows = [[g.start, g.end, *(g.key_starts or (-1,) * batch)] for g in groups]
+    end = groups[-1].end
+    rows += [[end, end, *(-1,) * batch]] * (2 - len(rows))
     return torch.tensor(rows, dtype=torch.int64)
 
 

@@ -8,10 +8,10 @@ order (``parallelize.py``):
    give it a class with the fast version of one step: the fused q/k norm + RoPE kernel
    (:mod:`.qk_norm_rope`), the GELU-epilogue and part-by-part products (:mod:`.products`), the hand-written
    autograd Functions (:mod:`.autograd`), the VAE's fused GroupNorm kernels (:mod:`.vae_norm`), and, for
-   compiled blocks, row-group attention outside the compiled graph (:mod:`.row_groups`);
+   compiled blocks, row-group attention as operators the compiler does not look into (:mod:`.row_groups`);
 2. activation checkpointing per block (:mod:`.checkpointing`);
-3. ``torch.compile`` per block (:mod:`.compile`; recorded as CUDA graphs, with the trees' alias check
-   indexed, :mod:`.graph_trees`);
+3. ``torch.compile`` per block (:mod:`.compile`; a checkpointed block with its checkpoint inside the compiled
+   graph; recorded as CUDA graphs, with the trees' alias check indexed, :mod:`.graph_trees`);
 4. (sharding: the trainer's, through accelerate).
 
 Whether a Triton kernel can run is decided once, here: a kernel that does not compile is left out with one
@@ -59,7 +59,6 @@ def apply_fast_paths(model: nn.Module, paths: FastPaths) -> list[str]:
     blocks_in_order = getattr(model, "blocks_in_order", None)
     if paths.checkpointing_ratio > 0 and blocks_in_order is not None:
         from pfctl.models.fast.checkpointing import Checkpointed, checkpointed_blocks
-        from pfctl.models.fast.row_groups import CompiledRowGroups
 
         blocks = blocks_in_order()
         chosen = {id(block) for _, block in checkpointed_blocks(blocks, paths.checkpointing_ratio)}
@@ -67,7 +66,6 @@ def apply_fast_paths(model: nn.Module, paths: FastPaths) -> list[str]:
             swap_class(block, Checkpointed)
             block.activation_checkpointing = id(block) in chosen
             block.checkpointing_policy = paths.checkpointing_policy
-            block.attention_outside_graph = any(isinstance(m, CompiledRowGroups) for m in block.modules())
         ratio, policy = paths.checkpointing_ratio, paths.checkpointing_policy
         applied.append(f"activation checkpointing (ratio {ratio:g}, {policy})")
     if paths.compile and blocks_in_order is not None:

@@ -12,18 +12,22 @@ __all__ = ["CompiledForward", "compile_blocks", "compiler_missing"]
 
 class CompiledForward:
     """Mixin of a compiled block: ``forward`` runs the block's own forward compiled (``_compiled_forward``),
-    so the module call around it (its hooks: FSDP2's gathers and gradient hooks, activation checkpointing)
-    stays eager, as torchtitan compiles inside ``fully_shard``. A tensor argument that is a view is copied
+    so the module call around it (its hooks: FSDP2's gathers and gradient hooks) stays eager, as torchtitan
+    compiles inside ``fully_shard``. A checkpointed block's forward when training is compiled with its
+    checkpoint (``_compiled_recomputing``), so the recomputation is part of its compiled backward. A tensor argument that is a view is copied
     into a tensor of its own first: Dynamo guards a view on its base, and the blocks get views in some calls
     and not in others (the first block's text stream, a slice of the embedder's product; FSDP2's gradient
     hook makes every input a view in the forward but not in the checkpointed recomputation), which compiled
     each block again, forward and backward, the recompilation in the middle of the backward."""
 
     _compiled_forward: Any
+    _compiled_recomputing: Any = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         args = tuple(_own(a) for a in args)
         kwargs = {k: _own(v) for k, v in kwargs.items()}
+        if self._compiled_recomputing is not None and self.training and torch.is_grad_enabled():
+            return self._compiled_recomputing(*args, **kwargs)
         return self._compiled_forward(*args, **kwargs)
 
 
@@ -45,9 +49,9 @@ def compile_blocks(
 
     ``dynamic``: ``True`` makes every size of a block's inputs dynamic from the first trace; ``None``
     (automatic, what generate uses) traces static sizes first and makes dynamic only those that change, so
-    head counts and widths stay constants. That matters wherever a block has a graph break (row groups with
-    gradients): the frames around it take all their sizes from their inputs, and with every size dynamic
-    Inductor generated generic, much slower kernels (benchmarks/RESULTS.md).
+    head counts and widths stay constants. That matters wherever a block has a graph break: the frames around
+    it take all their sizes from their inputs, and with every size dynamic Inductor generated generic, much
+    slower kernels (benchmarks/RESULTS.md, when row groups with gradients still ran between compiled frames).
 
     ``independent_sizes`` (training): sizes that happen to be equal when a block is traced are not assumed
     to stay equal (PyTorch's "duck shaping" off, for the whole process), so columns whose token counts
@@ -94,13 +98,22 @@ def compile_blocks(
                 "relies on; recording uses their own alias scan (a longer warm-up)"
             )
 
-    mode = "reduce-overhead" if cuda_graphs else None
+    from pfctl.models.fast.checkpointing import recomputing
+
+    def compiled(forward: Any) -> Any:
+        return torch.compile(
+            forward, dynamic=dynamic, backend=backend, mode="reduce-overhead" if cuda_graphs else None
+        )
+
     for block in blocks:
         if isinstance(block, CompiledForward):
             continue
         own_forward = block.forward  # the model's forward, bound to this block
         swap_class(block, CompiledForward)
-        block._compiled_forward = torch.compile(own_forward, dynamic=dynamic, backend=backend, mode=mode)
+        block._compiled_forward = compiled(own_forward)
+        if getattr(block, "activation_checkpointing", False):
+            block._compiled_recomputing = compiled(recomputing(own_forward, block.checkpointing_policy))
+            block.recomputes_in_graph = True
 
 
 def _cache_block_graphs() -> None:

@@ -1,25 +1,53 @@
-"""Row-group attention for compiled blocks: one opaque operator, or an eager island.
+"""Row-group attention for compiled blocks: operators the compiler does not look into.
 
 A compiled block must trace neither the row groups nor their calls: it would guard on the group layout,
 which changes every sampler stage and training step. :class:`CompiledRowGroups` (swapped into the attention
-modules with ``compile``) sends a grouped column without gradients to the :func:`row_group_attention`
-operator, opaque to the compiler, so a block stays one graph; with gradients every column of a model with
-row groups on, grouped in this call or not, to :func:`_attend_in_row_groups`, run eagerly (a graph break).
-The results are those of :meth:`pfctl.models.attention_layout.PyramidLayout.attend`.
+modules with ``compile``) sends every column of a model with row groups on to an operator that takes the
+groups as a host table (:func:`pfctl.models.attention_layout.group_table`), so a block stays one graph:
+
+* without gradients (the sampler), :func:`row_group_attention`: :func:`masked_attention` group by group;
+* with gradients (training), :func:`row_group_attention_train`, whose backward is
+  :func:`row_group_attention_backward`. Both call the fused kernels directly, call by call
+  (:func:`pfctl.models.attention_layout.row_group_calls`): the CPU's flash kernel; on CUDA the flash kernel
+  for the calls without a mask and the memory-efficient one for those with a mask (what SDPA picks under the
+  ``efficient`` backend, which training uses). The forward also returns each row's log-sum-exp, which its
+  backward takes instead of attending again, and a selectively checkpointed block keeps (``.checkpointing``).
+
+Each operator's results are those of :meth:`pfctl.models.attention_layout.PyramidLayout.attend` up to the
+float rounding of the kernels.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 
-from pfctl.models.attention_layout import PyramidLayout, RowGroup, masked_attention
+from pfctl.models.attention_layout import (
+    PyramidLayout,
+    RowGroup,
+    RowGroupCall,
+    masked_attention,
+    row_group_calls,
+)
 
-__all__ = ["CompiledRowGroups", "row_group_attention", "table_groups"]
+__all__ = [
+    "CompiledRowGroups",
+    "row_group_attention",
+    "row_group_attention_backward",
+    "row_group_attention_train",
+    "table_groups",
+]
+
+aten = torch.ops.aten
+#: the memory-efficient kernel reads each row block's log-sum-exp up to the next multiple of this many rows
+_LSE_ALIGN = 32
 
 
 def table_groups(table: torch.Tensor) -> list[RowGroup]:
-    """The row groups of a :func:`group_table`."""
-    return [RowGroup(a, b, None if ks[0] < 0 else tuple(ks)) for a, b, *ks in table.tolist()]
+    """The row groups of a :func:`group_table` (without its empty ones)."""
+    return [RowGroup(a, b, None if ks[0] < 0 else tuple(ks)) for a, b, *ks in table.tolist() if a < b]
 
 
 @torch.library.custom_op("pfctl::row_group_attention", mutates_args=())
@@ -38,27 +66,181 @@ def _row_group_attention_shape(
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2] * q.shape[3])
 
 
-@torch.compiler.disable
-def _attend_in_row_groups(
-    layout: PyramidLayout, column: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> torch.Tensor:
-    """:meth:`PyramidLayout.attend` with gradients (training) in a model with row groups on, run eagerly
-    inside compiled blocks (their graph breaks here), whether or not this call's columns are long enough to
-    be grouped. The layout goes in whole: compiled code never reads the groups, the masks or the column
-    index, so it holds no guard on them and a new group layout or column (every training step) recompiles
-    nothing."""
-    return layout.attend(column, q, k, v)
+@functools.lru_cache(maxsize=256)
+def _cached_calls(table: bytes, width: int, first: int) -> list[RowGroupCall]:
+    rows = torch.frombuffer(bytearray(table), dtype=torch.int64).view(-1, width)
+    return row_group_calls(table_groups(rows), first)
+
+
+def _table_calls(groups: torch.Tensor, first: int) -> list[RowGroupCall]:
+    """:func:`row_group_calls` of a group table, worked out once per table and first query (every block of a
+    forward attends a column with the same ones)."""
+    table = groups.contiguous()
+    return _cached_calls(table.numpy().tobytes(), table.shape[1], first)
+
+
+def _flash_fits(q: torch.Tensor) -> bool:
+    """Whether SDPA's flash kernel takes CUDA queries like ``q`` (``[b, H, rows, hd]``)."""
+    head = q.shape[-1]
+    return (
+        q.dtype in (torch.float16, torch.bfloat16)
+        and head % 8 == 0
+        and head <= 256
+        and torch.cuda.get_device_capability(q.device) >= (8, 0)
+    )
+
+
+@functools.cache
+def _kernel_state(kind: str, device: torch.device) -> tuple:
+    """The tensors a fused CUDA kernel's backward takes besides the attention's own (sequence offsets, the
+    dropout generator's state), as one tiny call of its forward returns them: without dropout the backward
+    reads none of their values."""
+    x = torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16, device=device)
+    if kind == "flash":
+        _, _, cum_q, cum_k, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(x, x, x)
+        return cum_q, cum_k, seed, offset
+    _, _, seed, offset = aten._scaled_dot_product_efficient_attention(x, x, x, None, True)
+    return seed, offset
+
+
+def _call_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One call's output ``[b, H, rows, hd]`` and log-sum-exp ``[b, H, rows]`` (float32); ``q [b, H, rows,
+    hd]``, ``k, v [b, H, keys, hd]``, ``mask [b, 1, rows, keys]`` additive or None."""
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask)
+    if mask is None and _flash_fits(q):
+        out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v)
+        return out, lse
+    bias = None if mask is None else mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True)
+    return out, lse[..., : q.shape[2]]
+
+
+def _call_backward(
+    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+    out: torch.Tensor, lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The gradients of one call of :func:`_call_forward` with respect to ``q, k, v``, from its output and
+    log-sum-exp (each ``[b, H, rows, ...]``, views of the whole column's)."""
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, False, attn_mask=mask
+        )
+    rows = q.shape[2]
+    if mask is None and _flash_fits(q):
+        cum_q, cum_k, seed, offset = _kernel_state("flash", q.device)
+        return aten._scaled_dot_product_flash_attention_backward(
+            grad, q, k, v, out, lse.contiguous(), cum_q, cum_k, rows, k.shape[2], 0.0, False, seed, offset
+        )
+    # the kernel reads the log-sum-exp of whole blocks of rows: padded as its forward left it
+    padded = lse.new_zeros(*lse.shape[:2], -(-rows // _LSE_ALIGN) * _LSE_ALIGN)
+    padded[..., :rows] = lse
+    bias = None if mask is None else mask.expand(q.shape[0], q.shape[1], rows, k.shape[2])
+    seed, offset = _kernel_state("efficient", q.device)
+    grads = aten._scaled_dot_product_efficient_attention_backward(
+        grad, q, k, v, bias, out, padded, seed, offset, 0.0, [True, True, True, False]
+    )
+    return grads[0], grads[1], grads[2]
+
+
+def _heads_first(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t.transpose(1, 2) for t in tensors)  # [B, S, H, hd] <-> [B, H, S, hd] views
+
+
+def _column_mask(mask: torch.Tensor, q: torch.Tensor, keys: int) -> torch.Tensor:
+    """A column's mask storage (:func:`padded_attention_bias`) cut to its ``keys`` key columns, in q's dtype."""
+    mask = mask[..., :keys]
+    return mask if mask.dtype == q.dtype else mask.to(q.dtype)
+
+
+@torch.library.custom_op("pfctl::row_group_attention_train", mutates_args=())
+def row_group_attention_train(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, groups: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention of one column in the row groups of ``groups`` with gradients: ``q [B, Sq, H, hd]`` (the
+    column's last ``Sq`` positions), ``k, v [B, S, H, hd]``, ``mask`` its :func:`padded_attention_bias` ->
+    ``[B, Sq, H*hd]`` and the log-sum-exp of every query row, ``[B, H, Sq]`` float32."""
+    calls = _table_calls(groups, k.shape[1] - q.shape[1])
+    mask = _column_mask(mask, q, k.shape[1])
+    out = q.new_empty(q.shape)
+    lse = q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+    qt, kt, vt = _heads_first(q, k, v)
+    for items, rows, keys, at in calls:
+        part = None if at is None else mask[items, :, at, keys]
+        result, stats = _call_forward(qt[items, :, rows], kt[items, :, keys], vt[items, :, keys], part)
+        out[items, rows] = result.transpose(1, 2)
+        lse[items, :, rows] = stats
+    return out.flatten(2), lse
+
+
+@row_group_attention_train.register_fake
+def _row_group_attention_train_shape(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, groups: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    lse = q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+    return q.new_empty(q.shape[0], q.shape[1], q.shape[2] * q.shape[3]), lse
+
+
+@torch.library.custom_op("pfctl::row_group_attention_backward", mutates_args=())
+def row_group_attention_backward(
+    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+    groups: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The gradients of :func:`row_group_attention_train` with respect to ``q, k, v``, given the gradient of
+    its output, ``grad [B, Sq, H*hd]``, and its results ``out``, ``lse``: call by call, each from its
+    rows' output and log-sum-exp, the key and value gradients of calls that share keys added up."""
+    calls = _table_calls(groups, k.shape[1] - q.shape[1])
+    mask = _column_mask(mask, q, k.shape[1])
+    heads = q.shape[2:]
+    dq, dk, dv = q.new_empty(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    qt, kt, vt, gt, ot = _heads_first(q, k, v, grad.unflatten(2, heads), out.unflatten(2, heads))
+    for items, rows, keys, at in calls:
+        part = None if at is None else mask[items, :, at, keys]
+        gq, gk, gv = _call_backward(
+            gt[items, :, rows], qt[items, :, rows], kt[items, :, keys], vt[items, :, keys], part,
+            ot[items, :, rows], lse[items, :, rows],
+        )  # fmt: skip
+        dq[items, rows] = gq.transpose(1, 2)
+        dk[items, keys] += gk.transpose(1, 2)
+        dv[items, keys] += gv.transpose(1, 2)
+    return dq, dk, dv
+
+
+@row_group_attention_backward.register_fake
+def _row_group_attention_backward_shape(
+    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+    groups: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _save_for_backward(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, mask, groups = inputs
+    ctx.save_for_backward(q, k, v, mask, groups, *output)
+
+
+def _gradients(ctx: Any, grad: torch.Tensor, _grad_lse: torch.Tensor | None) -> tuple:
+    q, k, v, mask, groups, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.pfctl.row_group_attention_backward(grad, q, k, v, mask, groups, out, lse)
+    return dq, dk, dv, None, None
+
+
+row_group_attention_train.register_autograd(_gradients, setup_context=_save_for_backward)
 
 
 class CompiledRowGroups:
-    """Mixin of the attention modules of compiled blocks: row groups outside the compiled graph."""
+    """Mixin of the attention modules of compiled blocks: every column of a model with row groups on goes to
+    one of this module's operators, grouped in this call or not (a column too short to be grouped is one
+    masked group), on the CPU and CUDA; elsewhere the attention is traced as it is."""
 
     def attend(
         self, layout: PyramidLayout, column: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        if layout.grouping and torch.is_grad_enabled():
-            return _attend_in_row_groups(layout, column, q, k, v)
-        if not layout.grouped:
+        if not layout.grouping or q.device.type not in ("cpu", "cuda"):
             return super().attend(layout, column, q, k, v)
         mask, table = layout.attn_masks[column], layout.group_tables[column]
+        if torch.is_grad_enabled():
+            return torch.ops.pfctl.row_group_attention_train(q, k, v, mask, table)[0]
         return torch.ops.pfctl.row_group_attention(q, k, v, mask, table, layout.attention_backend)

@@ -1,0 +1,94 @@
+"""The training row-group operator (:mod:`pfctl.models.fast.row_groups`): forward and backward from the fused
+kernels, with the results and gradients of SDPA group by group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.tiny_dit import SUMS
+from helpers.tolerance import assert_rounding_close
+from pfctl.models.attention_layout import (
+    RowGroup,
+    causal_row_groups,
+    clip_frame_ids,
+    group_table,
+    masked_attention,
+    padded_attention_bias,
+)
+from pfctl.models.fast.row_groups import row_group_attention_train
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+GRIDS, TEXT_LEN = [(1, 2, 3), (2, 4, 4), (3, 4, 4)], 5
+
+
+def _column(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, int]:
+    text_valid = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)  # left-aligned
+    (mask,) = padded_attention_bias(text_valid, [clip_frame_ids(GRIDS, "cpu")], 1, True, dtype)
+    return mask, mask.shape[2]
+
+
+def _groupings(size: int) -> list[list[RowGroup]]:
+    return [
+        causal_row_groups(TEXT_LEN, GRIDS, 1, [2, 0]),  # one frame a group, no mask
+        causal_row_groups(TEXT_LEN, GRIDS, 10, [2, 0]),  # masked groups and mask-free ones
+        causal_row_groups(TEXT_LEN, GRIDS, 1, [2, 2]),  # one run of items: whole-batch calls
+        causal_row_groups(TEXT_LEN, GRIDS, 10),
+        [RowGroup(0, size)],  # a column too short to be grouped
+    ]
+
+
+def _attend_with_gradients(attend, q, k, v, weight) -> list[torch.Tensor]:
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = attend(*leaves)
+    (out * weight).sum().backward()
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_training_operator_matches_sdpa_by_groups_with_gradients(device: str) -> None:
+    """Output and q/k/v gradients of ``row_group_attention_train`` equal SDPA's group by group with autograd
+    (on CUDA: the flash and memory-efficient kernels, in bfloat16, where the two are as far from float32 as
+    each other), for every kind of grouping and for the last block's tail queries (``q`` shorter than ``k``)."""
+    dtype, head = (torch.float32, 8) if device == "cpu" else (torch.bfloat16, 64)
+    mask, size = _column(dtype)
+    mask = mask.to(device)
+    gen = torch.Generator().manual_seed(0)
+    for groups in _groupings(size):
+        table = group_table(groups, 2)
+        for tail in (size, 16):
+            q = torch.randn(2, tail, 3, head, generator=gen)
+            k, v = torch.randn(2, 2, size, 3, head, generator=gen).unbind(1)  # strided [B, S, H, hd] views
+            weight = torch.randn(2, tail, 3 * head, generator=gen)
+            inputs = [t.to(device, dtype) for t in (q, k, v, weight)]
+            sdpa = _attend_with_gradients(
+                lambda q, k, v, groups=groups: masked_attention(q, k, v, mask, "efficient", groups), *inputs
+            )
+            ours = _attend_with_gradients(
+                lambda q, k, v, table=table: row_group_attention_train(q, k, v, mask, table)[0], *inputs
+            )
+            if dtype == torch.float32:
+                for want, got, name in zip(sdpa, ours, ("out", "dq", "dk", "dv"), strict=True):
+                    assert_rounding_close(got, want, **SUMS, msg=f"{name} {groups} tail {tail}")
+                continue
+            exact = _attend_with_gradients(  # float32, group by group
+                lambda q, k, v, groups=groups: masked_attention(q, k, v, mask.float(), "efficient", groups),
+                *(t.to(device, torch.float32) for t in (q, k, v, weight)),
+            )
+            for want, theirs, got, name in zip(exact, sdpa, ours, ("out", "dq", "dk", "dv"), strict=True):
+                their_error = (theirs.float() - want).abs().max()
+                error = (got.float() - want).abs().max()
+                assert error <= 2 * their_error + 1e-3 * want.abs().max(), f"{name} {groups} tail {tail}"
+
+
+def test_training_operator_log_sum_exp_and_schema() -> None:
+    """The second output is every query row's log-sum-exp over the keys it may see, and the operator's schema,
+    shape function, kernel and autograd agree (``torch.library.opcheck``)."""
+    mask, size = _column()
+    q, k, v = torch.randn(3, 2, size, 3, 8).unbind(0)
+    groups = causal_row_groups(TEXT_LEN, GRIDS, 10, [2, 0])
+    _, lse = row_group_attention_train(q, k, v, mask, group_table(groups, 2))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / 8**0.5 + mask[:, :, :, :size]
+    assert_rounding_close(lse, scores.logsumexp(-1), **SUMS)
+    args = (*(t.requires_grad_() for t in (q, k, v)), mask, group_table(groups, 2))
+    torch.library.opcheck(row_group_attention_train, args)
