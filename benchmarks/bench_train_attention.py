@@ -3,15 +3,16 @@
 One rank of a temporal-pyramid recipe trains a cycle of unit positions (``max_units`` / sync group); each
 forward has one column per entry of the sample ratios (stages 0, 1, 1, 2), each column the history clips at
 their stages' resolutions and the unit being trained. This replays every forward of that cycle's columns
-through pfctl's own attention (``masked_attention`` with the row groups ``train.skip_future_keys`` builds,
-miniFLUX's heads, gradients on, as in the eager islands of compiled training blocks) and reports, per
-setting, the calls a forward makes, the host's time to issue one layer's attention of a forward and its
-backward, and the time until the device has finished it (equal on the CPU). Settings are
-``MIN_TOKENS:MIN_ROWS`` (``train.row_group_min_tokens`` and ``train.row_group_min_rows``). Each
+through pfctl's own attention (the row groups ``train.skip_future_keys`` builds, miniFLUX's heads, gradients
+on) and reports, per setting, the calls a forward makes, the host's time to issue one layer's attention of a
+forward and its backward, and the time until the device has finished it (equal on the CPU). Settings are
+``MIN_TOKENS:MIN_ROWS`` (``train.row_group_min_tokens`` and ``train.row_group_min_rows``), attended with SDPA
+group by group (``masked_attention``, the eager blocks' path), or ``MIN_TOKENS:MIN_ROWS:op`` through the row
+groups' training operator (``pfctl::row_group_attention_train``, the compiled blocks' path). Each
 setting's outputs and gradients are compared with the first setting's. On the CPU every resolution runs at
 a tiny 16x32 latent: a check of the harness, not a measurement.
 
-    python benchmarks/bench_train_attention.py --device cuda --resolution 768p --settings 0:512,0:1
+    python benchmarks/bench_train_attention.py --device cuda --resolution 768p --settings 0:512,0:512:op,0:1
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ sys.path.insert(0, str(REPO))
 
 from pfctl.flow.pyramid import DEFAULT_SAMPLE_RATIOS, column_to_stage, plan_stage_lengths  # noqa: E402
 from pfctl.models import attention_layout as dc  # noqa: E402
+from pfctl.models.fast.row_groups import row_group_attention_train  # noqa: E402
 from pfctl.models.registry import preset_config  # noqa: E402
 from pfctl.training.plan import column_grids  # noqa: E402
 
@@ -49,7 +51,8 @@ def cycle_columns(height: int, width: int, max_units: int, group: int) -> list[l
 
 def attention_step(columns, setting: str, batch: int, heads: int, head_dim: int, device, dtype) -> dict:
     """One layer's attention of every forward of the cycle, forward and backward: host and device time."""
-    min_tokens, min_rows = (int(x) for x in setting.split(":"))
+    min_tokens, min_rows, *path = setting.split(":")
+    min_tokens, min_rows, operator = int(min_tokens), int(min_rows), path == ["op"]
     starts = [0] * batch  # every caption fills the text
     gen = torch.Generator(device=device).manual_seed(0)
     host = total = 0.0
@@ -68,7 +71,11 @@ def attention_step(columns, setting: str, batch: int, heads: int, head_dim: int,
             torch.cuda.synchronize()
         start = time.perf_counter()
         q, k, v = leaf.unbind(2)
-        out = dc.masked_attention(q, k, v, mask, "efficient", groups)
+        if operator:
+            table = dc.group_table(groups or [dc.RowGroup(0, size)], batch)
+            out = row_group_attention_train(q, k, v, mask, table)[0]
+        else:
+            out = dc.masked_attention(q, k, v, mask, "efficient", groups)
         out.backward(grad)
         issued = time.perf_counter()
         if device.type == "cuda":
