@@ -41,6 +41,9 @@ __all__ = [
 ]
 
 aten = torch.ops.aten
+#: the operators read their group table on the host: a CUDA graph recorded around one would replay its first
+#: table's calls for every later one, so Inductor runs them between its recorded parts (or records nothing)
+_NOT_IN_CUDA_GRAPHS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 #: the memory-efficient kernel reads each row block's log-sum-exp up to the next multiple of this many rows
 _LSE_ALIGN = 32
 
@@ -50,7 +53,7 @@ def table_groups(table: torch.Tensor) -> list[RowGroup]:
     return [RowGroup(a, b, None if ks[0] < 0 else tuple(ks)) for a, b, *ks in table.tolist() if a < b]
 
 
-@torch.library.custom_op("pfctl::row_group_attention", mutates_args=())
+@torch.library.custom_op("pfctl::row_group_attention", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
 def row_group_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, groups: torch.Tensor, backend: str
 ) -> torch.Tensor:
@@ -155,7 +158,7 @@ def _column_mask(mask: torch.Tensor, q: torch.Tensor, keys: int) -> torch.Tensor
     return mask if mask.dtype == q.dtype else mask.to(q.dtype)
 
 
-@torch.library.custom_op("pfctl::row_group_attention_train", mutates_args=())
+@torch.library.custom_op("pfctl::row_group_attention_train", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
 def row_group_attention_train(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, groups: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,7 +186,7 @@ def _row_group_attention_train_shape(
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2] * q.shape[3]), lse
 
 
-@torch.library.custom_op("pfctl::row_group_attention_backward", mutates_args=())
+@torch.library.custom_op("pfctl::row_group_attention_backward", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
 def row_group_attention_backward(
     grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
     groups: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
