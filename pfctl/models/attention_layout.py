@@ -404,18 +404,15 @@ class PyramidLayout:
     rope: RotaryTable | None = None  # for the image tokens [N]
     joint_rope: RotaryTable | None = None  # for the [text_k; image_k] layout (text: identity)
     row_groups: list[list[RowGroup] | None] | None = None  # per column (:func:`causal_row_groups`), or None
-    grouped: bool = field(init=False)  # row_groups is set (a flag compiled blocks can branch on)
     # the model attends long columns in row groups: this call's columns may all be too short to be grouped
     grouping: bool = False
-    # per column, where the model groups or this call has groups: the row groups as one host table
-    # (:func:`group_table`; a column without groups: one group), what an operator taking them as a tensor reads
-    # (pfctl.models.fast)
+    # per column, where the model groups: the row groups as one host table (:func:`group_table`; a column
+    # without groups: one group), what an operator taking them as a tensor reads (pfctl.models.fast)
     group_tables: list[torch.Tensor] | None = field(init=False)
 
     def __post_init__(self) -> None:
-        self.grouped = self.row_groups is not None
         self.group_tables = None
-        if self.grouping or self.grouped:
+        if self.grouping:
             row_groups = self.row_groups or [None] * self.num_columns
             self.group_tables = [
                 group_table(groups or [RowGroup(0, self.text_len + n)], self.batch)

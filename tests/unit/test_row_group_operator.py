@@ -94,4 +94,4 @@ def test_training_operator_log_sum_exp_and_schema() -> None:
     args = (*(t.requires_grad_() for t in (q, k, v)), mask, group_table(groups, 2))
     torch.library.opcheck(row_group_attention_train, args)
     if hasattr(torch.Tag, "cudagraph_unsafe"):
-        assert torch.Tag.cudagraph_unsafe in row_group_attention_train._opoverload.tags
+        assert torch.Tag.cudagraph_unsafe in torch.ops.pfctl.row_group_attention_train.default.tags

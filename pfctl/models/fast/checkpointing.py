@@ -46,10 +46,12 @@ _ATTENTION_KERNELS = (
 @functools.cache
 def kept_operators() -> frozenset:
     """The operators whose results a ``selective`` checkpointed block keeps."""
-    from pfctl.models.fast.row_groups import row_group_attention_train
+    import pfctl.models.fast.row_groups  # noqa: F401  (registers the row groups' training operator)
 
     ops = (getattr(torch.ops.aten, name, None) for name in _ATTENTION_KERNELS)
-    return frozenset([*(op.default for op in ops if op is not None), row_group_attention_train._opoverload])
+    return frozenset(
+        [*(op.default for op in ops if op is not None), torch.ops.pfctl.row_group_attention_train.default]
+    )
 
 
 def _keep_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> torch.utils.checkpoint.CheckpointPolicy:

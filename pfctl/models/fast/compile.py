@@ -14,11 +14,12 @@ class CompiledForward:
     """Mixin of a compiled block: ``forward`` runs the block's own forward compiled (``_compiled_forward``),
     so the module call around it (its hooks: FSDP2's gathers and gradient hooks) stays eager, as torchtitan
     compiles inside ``fully_shard``. A checkpointed block's forward when training is compiled with its
-    checkpoint (``_compiled_recomputing``), so the recomputation is part of its compiled backward. A tensor argument that is a view is copied
-    into a tensor of its own first: Dynamo guards a view on its base, and the blocks get views in some calls
-    and not in others (the first block's text stream, a slice of the embedder's product; FSDP2's gradient
-    hook makes every input a view in the forward but not in the checkpointed recomputation), which compiled
-    each block again, forward and backward, the recompilation in the middle of the backward."""
+    checkpoint (``_compiled_recomputing``), so the recomputation is part of its compiled backward. A tensor
+    argument that is a view is copied into a tensor of its own first: Dynamo guards a view on its base, and
+    the blocks get views in some calls and not in others (the first block's text stream, a slice of the
+    embedder's product; FSDP2's gradient hook makes every input a view in the forward but not in the
+    checkpointed recomputation), which compiled each block again, forward and backward, the recompilation in
+    the middle of the backward."""
 
     _compiled_forward: Any
     _compiled_recomputing: Any = None
