@@ -23,6 +23,7 @@ import functools
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from pfctl.models.attention_layout import (
     PyramidLayout,
@@ -82,15 +83,20 @@ def _table_calls(groups: torch.Tensor, first: int) -> list[RowGroupCall]:
     return _cached_calls(table.numpy().tobytes(), table.shape[1], first)
 
 
-def _flash_fits(q: torch.Tensor) -> bool:
-    """Whether SDPA's flash kernel takes CUDA queries like ``q`` (``[b, H, rows, hd]``)."""
-    head = q.shape[-1]
-    return (
-        q.dtype in (torch.float16, torch.bfloat16)
-        and head % 8 == 0
-        and head <= 256
-        and torch.cuda.get_device_capability(q.device) >= (8, 0)
-    )
+@functools.cache
+def _flash_takes(device: torch.device, dtype: torch.dtype, head: int) -> bool:
+    """Whether SDPA's flash kernel takes CUDA queries of ``dtype`` and head size ``head`` on ``device``."""
+    capable = torch.cuda.get_device_capability(device) >= (8, 0)
+    return dtype in (torch.float16, torch.bfloat16) and head % 8 == 0 and head <= 256 and capable
+
+
+def _kernels(q: torch.Tensor) -> str:
+    """The kernels of a column's calls, decided once per column: ``cpu``; on CUDA ``flash`` (flash for the
+    calls without a mask, the memory-efficient kernel for those with one) or ``efficient`` (the
+    memory-efficient kernel for all)."""
+    if q.device.type == "cpu":
+        return "cpu"
+    return "flash" if _flash_takes(q.device, q.dtype, q.shape[-1]) else "efficient"
 
 
 @functools.cache
@@ -107,13 +113,13 @@ def _kernel_state(kind: str, device: torch.device) -> tuple:
 
 
 def _call_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    kernels: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One call's output ``[b, H, rows, hd]`` and log-sum-exp ``[b, H, rows]`` (float32); ``q [b, H, rows,
     hd]``, ``k, v [b, H, keys, hd]``, ``mask [b, 1, rows, keys]`` additive or None."""
-    if q.device.type == "cpu":
+    if kernels == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask)
-    if mask is None and _flash_fits(q):
+    if mask is None and kernels == "flash":
         out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v)
         return out, lse
     bias = None if mask is None else mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
@@ -122,24 +128,23 @@ def _call_forward(
 
 
 def _call_backward(
-    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-    out: torch.Tensor, lse: torch.Tensor,
+    kernels: str, grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The gradients of one call of :func:`_call_forward` with respect to ``q, k, v``, from its output and
     log-sum-exp (each ``[b, H, rows, ...]``, views of the whole column's)."""
-    if q.device.type == "cpu":
+    if kernels == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, out, lse, 0.0, False, attn_mask=mask
         )
     rows = q.shape[2]
-    if mask is None and _flash_fits(q):
+    if mask is None and kernels == "flash":
         cum_q, cum_k, seed, offset = _kernel_state("flash", q.device)
         return aten._scaled_dot_product_flash_attention_backward(
             grad, q, k, v, out, lse.contiguous(), cum_q, cum_k, rows, k.shape[2], 0.0, False, seed, offset
         )
     # the kernel reads the log-sum-exp of whole blocks of rows: padded as its forward left it
-    padded = lse.new_zeros(*lse.shape[:2], -(-rows // _LSE_ALIGN) * _LSE_ALIGN)
-    padded[..., :rows] = lse
+    padded = F.pad(lse, (0, -rows % _LSE_ALIGN))
     bias = None if mask is None else mask.expand(q.shape[0], q.shape[1], rows, k.shape[2])
     seed, offset = _kernel_state("efficient", q.device)
     grads = aten._scaled_dot_product_efficient_attention_backward(
@@ -166,13 +171,15 @@ def row_group_attention_train(
     column's last ``Sq`` positions), ``k, v [B, S, H, hd]``, ``mask`` its :func:`padded_attention_bias` ->
     ``[B, Sq, H*hd]`` and the log-sum-exp of every query row, ``[B, H, Sq]`` float32."""
     calls = _table_calls(groups, k.shape[1] - q.shape[1])
-    mask = _column_mask(mask, q, k.shape[1])
+    mask, kernels = _column_mask(mask, q, k.shape[1]), _kernels(q)
     out = q.new_empty(q.shape)
     lse = q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
     qt, kt, vt = _heads_first(q, k, v)
     for items, rows, keys, at in calls:
         part = None if at is None else mask[items, :, at, keys]
-        result, stats = _call_forward(qt[items, :, rows], kt[items, :, keys], vt[items, :, keys], part)
+        result, stats = _call_forward(
+            kernels, qt[items, :, rows], kt[items, :, keys], vt[items, :, keys], part
+        )
         out[items, rows] = result.transpose(1, 2)
         lse[items, :, rows] = stats
     return out.flatten(2), lse
@@ -195,19 +202,19 @@ def row_group_attention_backward(
     its output, ``grad [B, Sq, H*hd]``, and its results ``out``, ``lse``: call by call, each from its
     rows' output and log-sum-exp, the key and value gradients of calls that share keys added up."""
     calls = _table_calls(groups, k.shape[1] - q.shape[1])
-    mask = _column_mask(mask, q, k.shape[1])
+    mask, kernels = _column_mask(mask, q, k.shape[1]), _kernels(q)
     heads = q.shape[2:]
     dq, dk, dv = q.new_empty(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     qt, kt, vt, gt, ot = _heads_first(q, k, v, grad.unflatten(2, heads), out.unflatten(2, heads))
     for items, rows, keys, at in calls:
         part = None if at is None else mask[items, :, at, keys]
         gq, gk, gv = _call_backward(
-            gt[items, :, rows], qt[items, :, rows], kt[items, :, keys], vt[items, :, keys], part,
+            kernels, gt[items, :, rows], qt[items, :, rows], kt[items, :, keys], vt[items, :, keys], part,
             ot[items, :, rows], lse[items, :, rows],
         )  # fmt: skip
         dq[items, rows] = gq.transpose(1, 2)
-        dk[items, keys] += gk.transpose(1, 2)
-        dv[items, keys] += gv.transpose(1, 2)
+        dk[items, keys].add_(gk.transpose(1, 2))  # into the view: ``+=`` would copy the sum back onto it
+        dv[items, keys].add_(gv.transpose(1, 2))
     return dq, dk, dv
 
 
