@@ -20,7 +20,7 @@ float rounding of the kernels.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -70,17 +70,47 @@ def _row_group_attention_shape(
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2] * q.shape[3])
 
 
+class _Plan(NamedTuple):
+    """The calls of one column's row groups (:func:`row_group_calls`) and, where every call takes every item
+    (the calls then tile the query rows in order), each call's row count: the queries are then split and the
+    results concatenated once, not sliced and written call by call."""
+
+    calls: list[RowGroupCall]
+    rows: list[int] | None
+
+
 @functools.lru_cache(maxsize=256)
-def _cached_calls(table: bytes, width: int, first: int) -> list[RowGroupCall]:
+def _cached_plan(table: bytes, width: int, first: int) -> _Plan:
     rows = torch.frombuffer(bytearray(table), dtype=torch.int64).view(-1, width)
-    return row_group_calls(table_groups(rows), first)
+    calls = row_group_calls(table_groups(rows), first)
+    whole = all(call.items == slice(None) for call in calls)
+    return _Plan(calls, [call.rows.stop - call.rows.start for call in calls] if whole else None)
 
 
-def _table_calls(groups: torch.Tensor, first: int) -> list[RowGroupCall]:
-    """:func:`row_group_calls` of a group table, worked out once per table and first query (every block of a
+def _table_plan(groups: torch.Tensor, first: int) -> _Plan:
+    """The :class:`_Plan` of a group table, worked out once per table and first query (every block of a
     forward attends a column with the same ones)."""
     table = groups.contiguous()
-    return _cached_calls(table.numpy().tobytes(), table.shape[1], first)
+    return _cached_plan(table.numpy().tobytes(), table.shape[1], first)
+
+
+def _by_call(x: torch.Tensor, plan: _Plan, dim: int) -> list[torch.Tensor]:
+    """Each call's rows of ``x`` (``[B, ...]``, query rows along ``dim``), as views."""
+    if plan.rows is not None:
+        return list(x.split(plan.rows, dim))
+    index = [slice(None)] * dim
+    return [x[(call.items, *index[1:], call.rows)] for call in plan.calls]
+
+
+def _assemble(parts: list[torch.Tensor], plan: _Plan, dim: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """The calls' ``parts`` (their rows along ``dim``) as one tensor of ``shape``."""
+    if plan.rows is not None:
+        return torch.cat(parts, dim)
+    out = parts[0].new_empty(shape)
+    index = [slice(None)] * dim
+    for call, part in zip(plan.calls, parts, strict=True):
+        out[(call.items, *index[1:], call.rows)] = part
+    return out
 
 
 @functools.cache
@@ -91,9 +121,8 @@ def _flash_takes(device: torch.device, dtype: torch.dtype, head: int) -> bool:
 
 
 def _kernels(q: torch.Tensor) -> str:
-    """The kernels of a column's calls, decided once per column: ``cpu``; on CUDA ``flash`` (flash for the
-    calls without a mask, the memory-efficient kernel for those with one) or ``efficient`` (the
-    memory-efficient kernel for all)."""
+    """The kernels of a column's calls: ``cpu``; on CUDA ``flash`` (flash for the calls without a mask, the
+    memory-efficient kernel for those with one) or ``efficient`` (the memory-efficient kernel for all)."""
     if q.device.type == "cpu":
         return "cpu"
     return "flash" if _flash_takes(q.device, q.dtype, q.shape[-1]) else "efficient"
@@ -163,6 +192,10 @@ def _column_mask(mask: torch.Tensor, q: torch.Tensor, keys: int) -> torch.Tensor
     return mask if mask.dtype == q.dtype else mask.to(q.dtype)
 
 
+def _mask_part(mask: torch.Tensor, call: RowGroupCall) -> torch.Tensor | None:
+    return None if call.mask_rows is None else mask[call.items, :, call.mask_rows, call.keys]
+
+
 @torch.library.custom_op("pfctl::row_group_attention_train", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
 def row_group_attention_train(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, groups: torch.Tensor
@@ -170,18 +203,17 @@ def row_group_attention_train(
     """The attention of one column in the row groups of ``groups`` with gradients: ``q [B, Sq, H, hd]`` (the
     column's last ``Sq`` positions), ``k, v [B, S, H, hd]``, ``mask`` its :func:`padded_attention_bias` ->
     ``[B, Sq, H*hd]`` and the log-sum-exp of every query row, ``[B, H, Sq]`` float32."""
-    calls = _table_calls(groups, k.shape[1] - q.shape[1])
+    plan = _table_plan(groups, k.shape[1] - q.shape[1])
     mask, kernels = _column_mask(mask, q, k.shape[1]), _kernels(q)
-    out = q.new_empty(q.shape)
-    lse = q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
     qt, kt, vt = _heads_first(q, k, v)
-    for items, rows, keys, at in calls:
-        part = None if at is None else mask[items, :, at, keys]
-        result, stats = _call_forward(
-            kernels, qt[items, :, rows], kt[items, :, keys], vt[items, :, keys], part
+    results = [
+        _call_forward(
+            kernels, query, kt[call.items, :, call.keys], vt[call.items, :, call.keys], _mask_part(mask, call)
         )
-        out[items, rows] = result.transpose(1, 2)
-        lse[items, :, rows] = stats
+        for query, call in zip(_by_call(qt, plan, 2), plan.calls, strict=True)
+    ]
+    out = _assemble([o.transpose(1, 2) for o, _ in results], plan, 1, q.shape)
+    lse = _assemble([stats for _, stats in results], plan, 2, (q.shape[0], q.shape[2], q.shape[1]))
     return out.flatten(2), lse
 
 
@@ -201,21 +233,21 @@ def row_group_attention_backward(
     """The gradients of :func:`row_group_attention_train` with respect to ``q, k, v``, given the gradient of
     its output, ``grad [B, Sq, H*hd]``, and its results ``out``, ``lse``: call by call, each from its
     rows' output and log-sum-exp, the key and value gradients of calls that share keys added up."""
-    calls = _table_calls(groups, k.shape[1] - q.shape[1])
+    plan = _table_plan(groups, k.shape[1] - q.shape[1])
     mask, kernels = _column_mask(mask, q, k.shape[1]), _kernels(q)
     heads = q.shape[2:]
-    dq, dk, dv = q.new_empty(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     qt, kt, vt, gt, ot = _heads_first(q, k, v, grad.unflatten(2, heads), out.unflatten(2, heads))
-    for items, rows, keys, at in calls:
-        part = None if at is None else mask[items, :, at, keys]
+    dk, dv, dqs = k.new_zeros(k.shape), v.new_zeros(v.shape), []
+    parts = zip(*(_by_call(x, plan, 2) for x in (gt, qt, ot, lse)), strict=True)
+    for call, (g, query, o, stats) in zip(plan.calls, parts, strict=True):
+        items, keys = call.items, call.keys
         gq, gk, gv = _call_backward(
-            kernels, gt[items, :, rows], qt[items, :, rows], kt[items, :, keys], vt[items, :, keys], part,
-            ot[items, :, rows], lse[items, :, rows],
-        )  # fmt: skip
-        dq[items, rows] = gq.transpose(1, 2)
-        dk[items, keys].add_(gk.transpose(1, 2))  # into the view: ``+=`` would copy the sum back onto it
+            kernels, g, query, kt[items, :, keys], vt[items, :, keys], _mask_part(mask, call), o, stats
+        )
+        dqs.append(gq.transpose(1, 2))
+        dk[items, keys].add_(gk.transpose(1, 2))
         dv[items, keys].add_(gv.transpose(1, 2))
-    return dq, dk, dv
+    return _assemble(dqs, plan, 1, q.shape), dk, dv
 
 
 @row_group_attention_backward.register_fake
