@@ -159,7 +159,8 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """The estimate for ``model`` (real or on the meta device; without adapters injected) training on
     ``workload``. ``lora_targets``: full names of the adapted Linears (None = full fine-tuning);
-    ``checkpointing_policy`` ``selective``: the checkpointed blocks keep their attention results."""
+    ``checkpointing_policy`` ``selective``: the checkpointed blocks keep their attention results;
+    ``selective_narrow``: also the outputs of their narrowing products."""
     from pfctl.models.dit_layers import num_checkpointed
 
     a = 2 if compute_dtype in ("bf16", "fp16") else FP32
@@ -170,10 +171,15 @@ def estimate_memory(
     blocks = _blocks(model)
     n_ckpt = num_checkpointed(len(blocks), checkpointing_ratio) if gradient_checkpointing else 0
     _add_activation_rows(est, model, workload, blocks, n_ckpt, a, targets if lora else None, lora_rank)
-    if n_ckpt and checkpointing_policy == "selective":
+    joint = workload.image_tokens + workload.text_tokens
+    if n_ckpt and checkpointing_policy in ("selective", "selective_narrow"):
         heads = int(model.config["num_attention_heads"])
-        kept = n_ckpt * (a * _width(model) + FP32 * heads) * (workload.image_tokens + workload.text_tokens)
+        kept = n_ckpt * (a * _width(model) + FP32 * heads) * joint
         est.rows.append(("activations: kept attention", int(kept), f"output + log-sum-exp of {n_ckpt} checkpointed blocks"))  # fmt: skip
+    if n_ckpt and checkpointing_policy == "selective_narrow":
+        # double blocks: the image and text feed-forwards' down projections; single blocks: proj_out
+        kept = n_ckpt * a * _width(model) * joint
+        est.rows.append(("activations: kept products", int(kept), f"narrowing products of {n_ckpt} checkpointed blocks"))  # fmt: skip
 
     # -- bf16 copies of fp32 weights made by autocast and kept for backward ------------------------
     if a == 2 and not (lora and base_dtype == "bf16"):

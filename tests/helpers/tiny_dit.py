@@ -119,23 +119,37 @@ class AttentionKernelRuns(TorchDispatchMode):
     """Counts the runs of the fused attention kernels a selective checkpoint keeps
     (:func:`pfctl.models.fast.checkpointing.kept_operators`). Entered outside the checkpoint, it sits below the
     checkpoint's own mode, so a recomputed call the checkpoint answers from what it kept never reaches it;
-    compiled blocks still compile under it, and their calls of the kernels are counted too."""
+    compiled blocks still compile under it, and their calls of the kernels are counted too. ``narrow_runs``
+    counts the matrix products that narrow their input (what ``selective_narrow`` also keeps; in a backward
+    some gradient products take that form too)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.runs = 0
         self.output_bytes = 0  # of the counted runs' tensor outputs
+        self.narrow_runs = 0
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from pfctl.models.fast.checkpointing import kept_operators
+        from pfctl.models.fast.checkpointing import kept_operators, narrows
 
         out = func(*args, **(kwargs or {}))
+        self.narrow_runs += narrows(func, args)
         if func in kept_operators():
             self.runs += 1
             outputs = out if isinstance(out, tuple) else (out,)
             self.output_bytes += sum(t.nbytes for t in outputs if isinstance(t, torch.Tensor))
         return out
+
+
+def narrowing_block_products(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The linear layers of ``model``'s blocks that narrow their input (each runs once per forward)."""
+    return [
+        m
+        for _, block in model.blocks_in_order()
+        for m in block.modules()
+        if isinstance(m, torch.nn.Linear) and m.in_features > m.out_features
+    ]

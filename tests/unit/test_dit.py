@@ -18,6 +18,7 @@ from helpers.tiny_dit import (
     checkpointed,
     clone_args,
     inputs,
+    narrowing_block_products,
     run,
 )
 from helpers.tolerance import assert_rounding_close
@@ -223,25 +224,29 @@ def test_gradient_checkpointing_recomputes_exactly_those_blocks_and_matches(kind
 @pytest.mark.parametrize("kind", MODELS)
 def test_selective_checkpointing_attends_once_and_matches_full(kind: str) -> None:
     """``selective`` keeps the attention kernels' results: the backward recomputes the blocks without
-    attending again, with the outputs and gradients of ``full`` (which attends twice)."""
+    attending again, with the outputs and gradients of ``full`` (which attends twice). ``selective_narrow``
+    also keeps the blocks' narrowing products: the backward runs none of them again."""
     args = inputs()
-    results, runs = [], []
-    for policy in ("full", "selective"):
+    results, runs = [], {}
+    for policy in ("full", "selective", "selective_narrow"):
         model = checkpointed(build(kind).train(), 1.0, policy=policy)
         with AttentionKernelRuns() as counter:
             outs = model(**clone_args(args))
-            forward = counter.runs
+            forward, narrow_forward = counter.runs, counter.narrow_runs
             sum(o.square().mean() for o in outs).backward()
-        runs.append((forward, counter.runs - forward))
+        runs[policy] = (forward, counter.runs - forward, counter.narrow_runs - narrow_forward)
         results.append((outs, {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (full_forward, full_backward), (selective_forward, selective_backward) = runs
-    assert full_forward == selective_forward > 0
-    assert full_backward == full_forward  # every block checkpointed: each call recomputed once
-    assert selective_backward == 0
-    for a, b in zip(results[0][0], results[1][0], strict=True):
-        assert_rounding_close(b, a, **SUMS)  # two models: other addresses
-    for name, grad in results[0][1].items():
-        assert_rounding_close(results[1][1][name], grad, **SUMS, msg=name)
+    full, selective, narrow = runs["full"], runs["selective"], runs["selective_narrow"]
+    assert full[0] == selective[0] == narrow[0] > 0
+    assert full[1] == full[0]  # every block checkpointed: each call recomputed once
+    assert selective[1] == narrow[1] == 0
+    products = len(narrowing_block_products(model))
+    assert products > 0 and full[2] == selective[2] == narrow[2] + products
+    for outs, grads in results[1:]:
+        for a, b in zip(results[0][0], outs, strict=True):
+            assert_rounding_close(b, a, **SUMS)  # two models: other addresses
+        for name, grad in results[0][1].items():
+            assert_rounding_close(grads[name], grad, **SUMS, msg=name)
 
 
 def test_checkpointing_applies_only_in_training_with_gradients() -> None:

@@ -9,7 +9,17 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers.tiny_dit import LATENT_C, PLAIN, SUMS, AttentionKernelRuns, build, clone_args, inputs, run
+from helpers.tiny_dit import (
+    LATENT_C,
+    PLAIN,
+    SUMS,
+    AttentionKernelRuns,
+    build,
+    clone_args,
+    inputs,
+    narrowing_block_products,
+    run,
+)
 from helpers.tolerance import assert_rounding_close
 
 
@@ -169,9 +179,10 @@ def test_checkpointed_compiled_blocks_do_not_specialise_on_group_counts(monkeypa
 
 def test_selective_checkpointing_of_compiled_blocks_with_row_groups_attends_once(monkeypatch) -> None:
     """The 768p recipe's stack: compiled blocks attending in row groups through the training operator
-    (``skip_future_keys``), every block checkpointed with the ``selective`` policy inside its compiled graph.
-    The backward recomputes the blocks without running the operator (or any attention kernel) again, with
-    the outputs and gradients of the eager model checkpointed with ``full``."""
+    (``skip_future_keys``), every block checkpointed inside its compiled graph with ``selective`` or
+    ``selective_narrow``. The backward recomputes the blocks without running the operator (or any attention
+    kernel) again, ``selective_narrow`` without their narrowing products either, with the outputs and
+    gradients of the eager model checkpointed with ``full``."""
     import pfctl.models.attention_layout as dc
     from pfctl.models.fast import FastPaths, apply_fast_paths
 
@@ -180,25 +191,28 @@ def test_selective_checkpointing_of_compiled_blocks_with_row_groups_attends_once
     args["sample"][1] = [torch.randn(2, LATENT_C, 1, 4, 4), torch.randn(2, LATENT_C, 5, 4, 4)]  # grouped
     torch._dynamo.reset()
     try:
-        for policy, compiled in (("full", False), ("selective", True)):
+        for policy, compiled in (("full", False), ("selective", True), ("selective_narrow", True)):
             model = build("flux", num_layers=1, num_single_layers=1).train()
             model.set_attention_backend("auto", skip_future_keys=True, min_tokens=25)
             paths = FastPaths(PLAIN, checkpointing_ratio=1.0, checkpointing_policy=policy, compile=compiled)
             apply_fast_paths(model, replace(paths, compile_backend="aot_eager", independent_sizes=True))
             with AttentionKernelRuns() as counter:
                 outs = model(**clone_args(args))
-                forward = counter.runs
+                forward, narrow_forward = counter.runs, counter.narrow_runs
                 sum(o.square().mean() for o in outs).backward()
-            backward_runs.append(counter.runs - forward)
+            backward_runs.append((counter.runs - forward, counter.narrow_runs - narrow_forward))
             assert forward > 0
             results.append((outs, {n: p.grad for n, p in model.named_parameters()}))
     finally:
         torch._dynamo.reset()
-    assert backward_runs[0] > 0 and backward_runs[1] == 0
-    for a, b in zip(results[0][0], results[1][0], strict=True):
-        assert_rounding_close(b, a, **SUMS)
-    for name, grad in results[0][1].items():
-        assert_rounding_close(results[1][1][name], grad, **SUMS, msg=name)
+    (full, _), (selective, selective_narrowing), (narrow, narrow_narrowing) = backward_runs
+    assert full > 0 and selective == narrow == 0
+    assert selective_narrowing - narrow_narrowing == len(narrowing_block_products(model)) > 0
+    for outs, grads in results[1:]:
+        for a, b in zip(results[0][0], outs, strict=True):
+            assert_rounding_close(b, a, **SUMS)
+        for name, grad in results[0][1].items():
+            assert_rounding_close(grads[name], grad, **SUMS, msg=name)
 
 
 @pytest.mark.slow

@@ -257,9 +257,10 @@ def test_activation_formula_matches_what_autograd_keeps(lora: bool) -> None:
 
 
 def test_estimate_counts_what_selective_checkpointing_keeps() -> None:
-    """The estimate's row for the attention results that ``selective`` checkpointing keeps matches the
-    bytes the attention kernels return in a training forward."""
-    from helpers.tiny_dit import AttentionKernelRuns
+    """The estimate's rows for what selective checkpointing keeps match the bytes a training forward makes:
+    the attention kernels' results (``selective``) and the blocks' narrowing products' outputs
+    (``selective_narrow``, which keeps both)."""
+    from helpers.tiny_dit import AttentionKernelRuns, narrowing_block_products
     from pfctl.models.fast import FastPaths, apply_fast_paths
 
     model = dit(num_layers=2, num_single_layers=2, num_attention_heads=4)
@@ -267,14 +268,24 @@ def test_estimate_counts_what_selective_checkpointing_keeps() -> None:
     tokens = frames * (size // 2) ** 2
     est = estimate_memory(
         model, Workload(((1, tokens),), TEXT_LEN), compute_dtype="fp32", gradient_checkpointing=True,
-        checkpointing_ratio=1.0, checkpointing_policy="selective",
+        checkpointing_ratio=1.0, checkpointing_policy="selective_narrow",
     )  # fmt: skip
-    apply_fast_paths(model, FastPaths(checkpointing_ratio=1.0, checkpointing_policy="selective"))
+    apply_fast_paths(model, FastPaths(checkpointing_ratio=1.0, checkpointing_policy="selective_narrow"))
     model.train()
+    products = []
+    for layer in narrowing_block_products(model):
+        layer.register_forward_hook(lambda _m, _i, out: products.append(out.nbytes))
     with AttentionKernelRuns() as kept:
         model(**inputs(frames, size))
     predicted = est.get("activations: kept attention")
     assert kept.runs == 4 and abs(predicted - kept.output_bytes) / kept.output_bytes < 0.05, (predicted, kept)
+    predicted, measured = est.get("activations: kept products"), sum(products)
+    assert products and abs(predicted - measured) / measured < 0.05, (predicted, measured)
+    selective = estimate_memory(
+        model, Workload(((1, tokens),), TEXT_LEN), compute_dtype="fp32", gradient_checkpointing=True,
+        checkpointing_ratio=1.0, checkpointing_policy="selective",
+    )  # fmt: skip
+    assert selective.get("activations: kept attention") > 0 == selective.get("activations: kept products")
     assert estimate_memory(model, Workload(((1, tokens),), TEXT_LEN)).get("activations: kept attention") == 0
 
 
