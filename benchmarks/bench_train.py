@@ -452,7 +452,10 @@ def across_processes(values: list[float], op: str) -> list[float]:
 
 
 def parameter_counts(trainer: Any) -> tuple[int, int]:
-    """(DiT parameters N, those of the blocks activation checkpointing recomputes)."""
+    """(DiT parameters N, those whose products activation checkpointing recomputes: the checkpointed blocks',
+    less their narrowing products' under ``selective_narrow``, which keeps those products' outputs)."""
+    import torch
+
     model = trainer.unwrapped
     total = sum(p.numel() for p in model.parameters())
     if not trainer.cfg.gradient_checkpointing:
@@ -461,7 +464,14 @@ def parameter_counts(trainer: Any) -> tuple[int, int]:
 
     names = checkpointed_block_names(model, trainer.cfg.gradient_checkpointing_ratio)
     prefixes = tuple(f"{name}." for name in names)
-    return total, sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefixes))
+    recomputed = sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefixes))
+    if trainer.cfg.gradient_checkpointing_policy == "selective_narrow":
+        recomputed -= sum(
+            m.weight.numel()
+            for n, m in model.named_modules()
+            if n.startswith(prefixes) and isinstance(m, torch.nn.Linear) and m.in_features > m.out_features
+        )
+    return total, recomputed
 
 
 def step_phase(index: int, warmup: int, ends: tuple[int, ...] = ()) -> str:

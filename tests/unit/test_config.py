@@ -170,7 +170,7 @@ def test_speed_line_names_the_checkpointing() -> None:
     from pfctl.config.train import resolve_train_speed
 
     train = load_config("pyramid-flux-768p-8gpu").train
-    assert "checkpointing 0.75 selective" in resolve_train_speed(train, "cuda", 8).describe()
+    assert "checkpointing 0.75 selective_narrow" in resolve_train_speed(train, "cuda", 8).describe()
     train = load_config(None, ["train.gradient_checkpointing=true", "train.gradient_checkpointing_policy=full"]).train
     assert "checkpointing 0.75 full" in resolve_train_speed(train, "cpu", 1).describe()
 
