@@ -38,7 +38,7 @@ class FastPaths:
 
     ``kernels``: the ``fast:`` config section (module swaps). ``checkpointing_ratio``: activation
     checkpointing of the first ``floor(L * ratio)`` blocks (0: none), under ``checkpointing_policy``
-    (``full`` or ``selective``: :mod:`.checkpointing`). ``compile``: ``torch.compile`` each
+    (``full``, ``selective`` or ``selective_narrow``: :mod:`.checkpointing`). ``compile``: ``torch.compile`` each
     block with ``dynamic`` / ``independent_sizes`` / ``cuda_graphs`` (:func:`.compile.compile_blocks`) and
     ``compile_backend``."""
 
