@@ -171,9 +171,10 @@ class TrainConfig(Section):
     kernels from the forward (output and log-sum-exp: about one activation of the block's width per token)
     and recomputes the rest, so the backward does not attend twice; ``selective_narrow`` also keeps the
     outputs of its products that narrow the width (the feed-forward's down projection, the single blocks'
-    ``proj_out``: one more activation of the block's width per token), so the recomputation skips about 40%
-    of the block's product work; ``full`` recomputes everything (the reference's checkpointing, the least
-    memory). Same loss either way: the kept results are those the recomputation would produce."""
+    ``proj_out``: one more activation of the block's width per token), so the recomputation skips a third
+    of a double block's product work and 5/12 of a single block's; ``full`` recomputes everything (the
+    reference's checkpointing, the least memory). Same loss either way: the kept results are those the
+    recomputation would produce."""
     fsdp: Literal["none", "shard_grad_op", "full_shard"] = "none"
     """Shard the DiT over every process with FSDP2, each transformer block a unit: ``shard_grad_op``
     (ZeRO-2: parameters, gradients and optimizer state sharded, a block's gathered weights kept from its

@@ -17,7 +17,8 @@ Three policies (torchtitan's ``full`` and two op-level ``selective`` ones):
 * ``selective_narrow``: ``selective``, and the outputs of the matrix products that narrow their input (the
   feed-forward's down projection, the single blocks' ``proj_out``: the backward needs them only for their
   gate's gradient) are kept too. Each is one activation of the block's width per token and saves the
-  recomputation a product of 4 or 5 times that width (about 40% of a block's product work).
+  recomputation a product of 4 or 5 times that width (a third of a double block's product work, 5/12 of a
+  single block's).
 
 The kept results are the ones the recomputation would produce (the same kernel on the same inputs).
 """
