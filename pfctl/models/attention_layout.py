@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -210,6 +210,48 @@ def row_group_calls(row_groups: Sequence[RowGroup], first: int = 0) -> list[RowG
     return calls
 
 
+def whole_item_rows(calls: Sequence[RowGroupCall]) -> list[int] | None:
+    """Each call's query row count where every call attends every item (the calls then tile the query rows in
+    order), else None. Such calls take their queries by one split and give their results by one concatenation
+    (:func:`by_call`, :func:`from_calls`): with gradients two autograd nodes, where slicing and copying into
+    an output would add two per call, each with a backward that fills a whole query- or output-sized
+    gradient."""
+    if all(call.items == slice(None) for call in calls):
+        return [call.rows.stop - call.rows.start for call in calls]
+    return None
+
+
+def by_call(
+    x: torch.Tensor, calls: Sequence[RowGroupCall], rows: list[int] | None, dim: int
+) -> list[torch.Tensor]:
+    """Each call's items and query rows of ``x`` (items first, query rows along ``dim``) as views; ``rows``:
+    :func:`whole_item_rows` of ``calls``."""
+    if rows is not None:
+        return list(x.split(rows, dim))
+    between = (slice(None),) * (dim - 1)
+    return [x[(call.items, *between, call.rows)] for call in calls]
+
+
+def from_calls(
+    parts: Iterable[torch.Tensor],
+    calls: Sequence[RowGroupCall],
+    rows: list[int] | None,
+    dim: int,
+    shape: Sequence[int],
+) -> torch.Tensor:
+    """The calls' ``parts`` (their items and query rows along ``dim``, in call order) as one tensor of
+    ``shape``: concatenated where ``rows`` (:func:`whole_item_rows`) is set, else written into place."""
+    if rows is not None:
+        return torch.cat(list(parts), dim)
+    out = None
+    between = (slice(None),) * (dim - 1)
+    for call, part in zip(calls, parts, strict=True):
+        if out is None:
+            out = part.new_empty(shape)
+        out[(call.items, *between, call.rows)] = part
+    return out
+
+
 def _attention_by_row_groups(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -227,28 +269,15 @@ def _attention_by_row_groups(
     one visible to every one of them, and the first group's rows of text padding before it attend the padding
     ``[0, key_starts[i])``."""
     calls = row_group_calls(row_groups, first)
-    # calls that all attend every item tile the rows in order: one split of the queries and one concatenation
-    # of the results, with gradients two autograd nodes, where slicing and copying into an output would add
-    # two per call, each with a backward that fills a whole query- or output-sized gradient
-    whole = all(call.items == slice(None) for call in calls)
-    queries = (
-        q.split([call.rows.stop - call.rows.start for call in calls], dim=2)
-        if whole
-        else [q[call.items, :, call.rows] for call in calls]
-    )
+    rows = whole_item_rows(calls)
     with attention_kernels(backend):
         results = (  # each call's [b, rows, H, hd], computed as it is taken
             F.scaled_dot_product_attention(
                 query, k[items, :, keys], v[items, :, keys], None if at is None else mask[items, :, at, keys]
             ).transpose(1, 2)
-            for query, (items, _, keys, at) in zip(queries, calls, strict=True)
+            for query, (items, _, keys, at) in zip(by_call(q, calls, rows, 2), calls, strict=True)
         )
-        if whole:
-            return torch.cat(list(results), dim=1)
-        out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
-        for (items, rows, _, _), result in zip(calls, results, strict=True):
-            out[items, rows] = result
-    return out
+        return from_calls(results, calls, rows, 1, (q.shape[0], q.shape[2], q.shape[1], q.shape[3]))
 
 
 #: the fewest query rows a group of :func:`causal_row_groups` closes with (whole frames are added until it has

@@ -29,8 +29,11 @@ from pfctl.models.attention_layout import (
     PyramidLayout,
     RowGroup,
     RowGroupCall,
+    by_call,
+    from_calls,
     masked_attention,
     row_group_calls,
+    whole_item_rows,
 )
 
 __all__ = [
@@ -71,9 +74,7 @@ def _row_group_attention_shape(
 
 
 class _Plan(NamedTuple):
-    """The calls of one column's row groups (:func:`row_group_calls`) and, where every call takes every item
-    (the calls then tile the query rows in order), each call's row count: the queries are then split and the
-    results concatenated once, not sliced and written call by call."""
+    """The calls of one column's row groups (:func:`row_group_calls`) and their :func:`whole_item_rows`."""
 
     calls: list[RowGroupCall]
     rows: list[int] | None
@@ -83,8 +84,7 @@ class _Plan(NamedTuple):
 def _cached_plan(table: bytes, width: int, first: int) -> _Plan:
     rows = torch.frombuffer(bytearray(table), dtype=torch.int64).view(-1, width)
     calls = row_group_calls(table_groups(rows), first)
-    whole = all(call.items == slice(None) for call in calls)
-    return _Plan(calls, [call.rows.stop - call.rows.start for call in calls] if whole else None)
+    return _Plan(calls, whole_item_rows(calls))
 
 
 def _table_plan(groups: torch.Tensor, first: int) -> _Plan:
@@ -92,25 +92,6 @@ def _table_plan(groups: torch.Tensor, first: int) -> _Plan:
     forward attends a column with the same ones)."""
     table = groups.contiguous()
     return _cached_plan(table.numpy().tobytes(), table.shape[1], first)
-
-
-def _by_call(x: torch.Tensor, plan: _Plan, dim: int) -> list[torch.Tensor]:
-    """Each call's rows of ``x`` (``[B, ...]``, query rows along ``dim``), as views."""
-    if plan.rows is not None:
-        return list(x.split(plan.rows, dim))
-    index = [slice(None)] * dim
-    return [x[(call.items, *index[1:], call.rows)] for call in plan.calls]
-
-
-def _assemble(parts: list[torch.Tensor], plan: _Plan, dim: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """The calls' ``parts`` (their rows along ``dim``) as one tensor of ``shape``."""
-    if plan.rows is not None:
-        return torch.cat(parts, dim)
-    out = parts[0].new_empty(shape)
-    index = [slice(None)] * dim
-    for call, part in zip(plan.calls, parts, strict=True):
-        out[(call.items, *index[1:], call.rows)] = part
-    return out
 
 
 @functools.cache
@@ -210,10 +191,12 @@ def row_group_attention_train(
         _call_forward(
             kernels, query, kt[call.items, :, call.keys], vt[call.items, :, call.keys], _mask_part(mask, call)
         )
-        for query, call in zip(_by_call(qt, plan, 2), plan.calls, strict=True)
+        for query, call in zip(by_call(qt, plan.calls, plan.rows, 2), plan.calls, strict=True)
     ]
-    out = _assemble([o.transpose(1, 2) for o, _ in results], plan, 1, q.shape)
-    lse = _assemble([stats for _, stats in results], plan, 2, (q.shape[0], q.shape[2], q.shape[1]))
+    out = from_calls([o.transpose(1, 2) for o, _ in results], plan.calls, plan.rows, 1, q.shape)
+    lse = from_calls(
+        [stats for _, stats in results], plan.calls, plan.rows, 2, (q.shape[0], q.shape[2], q.shape[1])
+    )
     return out.flatten(2), lse
 
 
@@ -238,7 +221,7 @@ def row_group_attention_backward(
     heads = q.shape[2:]
     qt, kt, vt, gt, ot = _heads_first(q, k, v, grad.unflatten(2, heads), out.unflatten(2, heads))
     dk, dv, dqs = k.new_zeros(k.shape), v.new_zeros(v.shape), []
-    parts = zip(*(_by_call(x, plan, 2) for x in (gt, qt, ot, lse)), strict=True)
+    parts = zip(*(by_call(x, plan.calls, plan.rows, 2) for x in (gt, qt, ot, lse)), strict=True)
     for call, (g, query, o, stats) in zip(plan.calls, parts, strict=True):
         items, keys = call.items, call.keys
         gq, gk, gv = _call_backward(
@@ -247,7 +230,7 @@ def row_group_attention_backward(
         dqs.append(gq.transpose(1, 2))
         dk[items, keys].add_(gk.transpose(1, 2))
         dv[items, keys].add_(gv.transpose(1, 2))
-    return _assemble(dqs, plan, 1, q.shape), dk, dv
+    return from_calls(dqs, plan.calls, plan.rows, 1, q.shape), dk, dv
 
 
 @row_group_attention_backward.register_fake
