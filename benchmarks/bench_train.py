@@ -454,23 +454,17 @@ def across_processes(values: list[float], op: str) -> list[float]:
 def parameter_counts(trainer: Any) -> tuple[int, int]:
     """(DiT parameters N, those whose products activation checkpointing recomputes: the checkpointed blocks',
     less their narrowing products' under ``selective_narrow``, which keeps those products' outputs)."""
-    import torch
-
     model = trainer.unwrapped
     total = sum(p.numel() for p in model.parameters())
     if not trainer.cfg.gradient_checkpointing:
         return total, 0
-    from pfctl.models.fast import checkpointed_block_names
+    from pfctl.models.fast.checkpointing import checkpointed_blocks, narrowing_linears
 
-    names = checkpointed_block_names(model, trainer.cfg.gradient_checkpointing_ratio)
-    prefixes = tuple(f"{name}." for name in names)
-    recomputed = sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefixes))
+    ratio = trainer.cfg.gradient_checkpointing_ratio
+    blocks = [block for _, block in checkpointed_blocks(model.blocks_in_order(), ratio)]
+    recomputed = sum(p.numel() for block in blocks for p in block.parameters())
     if trainer.cfg.gradient_checkpointing_policy == "selective_narrow":
-        recomputed -= sum(
-            m.weight.numel()
-            for n, m in model.named_modules()
-            if n.startswith(prefixes) and isinstance(m, torch.nn.Linear) and m.in_features > m.out_features
-        )
+        recomputed -= sum(linear.weight.numel() for block in blocks for linear in narrowing_linears(block))
     return total, recomputed
 
 

@@ -147,9 +147,6 @@ class AttentionKernelRuns(TorchDispatchMode):
 
 def narrowing_block_products(model: torch.nn.Module) -> list[torch.nn.Linear]:
     """The linear layers of ``model``'s blocks that narrow their input (each runs once per forward)."""
-    return [
-        m
-        for _, block in model.blocks_in_order()
-        for m in block.modules()
-        if isinstance(m, torch.nn.Linear) and m.in_features > m.out_features
-    ]
+    from pfctl.models.fast.checkpointing import narrowing_linears
+
+    return [linear for _, block in model.blocks_in_order() for linear in narrowing_linears(block)]

@@ -34,7 +34,14 @@ from torch import nn
 
 from pfctl.models.dit_layers import check_ratio, num_checkpointed
 
-__all__ = ["Checkpointed", "checkpointed_blocks", "kept_operators", "narrows", "recomputing"]
+__all__ = [
+    "Checkpointed",
+    "checkpointed_blocks",
+    "kept_operators",
+    "narrowing_linears",
+    "narrows",
+    "recomputing",
+]
 
 #: what a checkpointed block keeps from its forward (see the module docstring)
 Policy = Literal["full", "selective", "selective_narrow"]
@@ -72,6 +79,12 @@ def narrows(op: Any, args: tuple) -> bool:
     return matrix.shape[0] > matrix.shape[1]
 
 
+def narrowing_linears(module: nn.Module) -> list[nn.Linear]:
+    """The linear layers in ``module`` that narrow their input: whose products :func:`narrows` tells apart,
+    and whose outputs a ``selective_narrow`` checkpointed block keeps."""
+    return [m for m in module.modules() if isinstance(m, nn.Linear) and m.in_features > m.out_features]
+
+
 def _keep(narrow: bool, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     policy = torch.utils.checkpoint.CheckpointPolicy
     kept = op in kept_operators() or (narrow and narrows(op, args))
@@ -80,8 +93,9 @@ def _keep(narrow: bool, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
 
 @functools.cache
 def _selective_contexts(policy: Policy) -> functools.partial:
-    """The ``context_fn`` of a selective ``policy``: a partial (the form Dynamo traces) with the ``cache_hash``
-    by which AOTAutograd's cache tells policies apart (it skips graphs with a context function lacking one)."""
+    """The ``context_fn`` of a selective ``policy``: a partial (the form Dynamo traces) with the
+    ``cache_hash`` by which AOTAutograd's cache tells policies apart (it skips graphs with a context function
+    lacking one)."""
     keep = functools.partial(_keep, policy == "selective_narrow")
     contexts = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, keep)
     kept = " ".join(sorted(str(op) for op in kept_operators()))
