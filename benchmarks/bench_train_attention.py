@@ -7,12 +7,13 @@ through pfctl's own attention (the row groups ``train.skip_future_keys`` builds,
 on) and reports, per setting, the calls a forward makes, the host's time to issue one layer's attention of a
 forward and its backward, and the time until the device has finished it (equal on the CPU). Settings are
 ``MIN_TOKENS:MIN_ROWS`` (``train.row_group_min_tokens`` and ``train.row_group_min_rows``), attended with SDPA
-group by group (``masked_attention``, the eager blocks' path), or ``MIN_TOKENS:MIN_ROWS:op`` through the row
-groups' training operator (``pfctl::row_group_attention_train``, the compiled blocks' path). Each
+group by group (``masked_attention``, the eager blocks' path), or ``MIN_TOKENS:MIN_ROWS:op[:BACKEND]`` through
+the row groups' training operator (``pfctl::row_group_attention_train``, the compiled blocks' path) on the
+kernels of ``train.attention`` (``efficient``, the default here, or ``cudnn``). Each
 setting's outputs and gradients are compared with the first setting's. On the CPU every resolution runs at
 a tiny 16x32 latent: a check of the harness, not a measurement.
 
-    python benchmarks/bench_train_attention.py --device cuda --resolution 768p --settings 0:512,0:512:op,0:1
+    python benchmarks/bench_train_attention.py --device cuda --resolution 768p --settings 0:512,0:512:op,0:512:op:cudnn
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def cycle_columns(height: int, width: int, max_units: int, group: int) -> list[l
 def attention_step(columns, setting: str, batch: int, heads: int, head_dim: int, device, dtype) -> dict:
     """One layer's attention of every forward of the cycle, forward and backward: host and device time."""
     min_tokens, min_rows, *path = setting.split(":")
-    min_tokens, min_rows, operator = int(min_tokens), int(min_rows), path == ["op"]
+    min_tokens, min_rows, operator = int(min_tokens), int(min_rows), path[:1] == ["op"]
+    backend = path[1] if len(path) > 1 else "efficient"
     starts = [0] * batch  # every caption fills the text
     gen = torch.Generator(device=device).manual_seed(0)
     host = total = 0.0
@@ -73,7 +75,7 @@ def attention_step(columns, setting: str, batch: int, heads: int, head_dim: int,
         q, k, v = leaf.unbind(2)
         if operator:
             table = dc.group_table(groups or [dc.RowGroup(0, size)], batch)
-            out = row_group_attention_train(q, k, v, mask, table)[0]
+            out = row_group_attention_train(q, k, v, mask, table, backend)[0]
         else:
             out = dc.masked_attention(q, k, v, mask, "efficient", groups)
         out.backward(grad)
@@ -139,10 +141,10 @@ def main() -> None:
         f"\none layer's attention, forward + backward, of the {len(columns)} columns of one cycle "
         f"({args.resolution}, {heads} heads x {head_dim}, {args.batch} item(s) a column), {name}"
     )
-    print(f"{'setting':>9} {'calls/forward':>13} {'host ms':>9} {'total ms':>9} {'rel. L2':>8}")
+    print(f"{'setting':>16} {'calls/forward':>13} {'host ms':>9} {'total ms':>9} {'rel. L2':>8}")
     for setting, row in rows.items():
         print(
-            f"{setting:>9} {row['calls_per_forward']:>13.1f} {row['host_ms']:>9.1f} {row['total_ms']:>9.1f} "
+            f"{setting:>16} {row['calls_per_forward']:>13.1f} {row['host_ms']:>9.1f} {row['total_ms']:>9.1f} "
             f"{row['rel_l2_vs_first']:>8.1e}"
         )
 

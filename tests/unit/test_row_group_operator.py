@@ -45,11 +45,15 @@ def _attend_with_gradients(attend, q, k, v, weight) -> list[torch.Tensor]:
     return [out.detach(), *(t.grad for t in leaves)]
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
-def test_training_operator_matches_sdpa_by_groups_with_gradients(device: str) -> None:
+@pytest.mark.parametrize(
+    "device, backend",
+    [("cpu", "efficient"), pytest.param("cuda", "efficient", marks=gpu), pytest.param("cuda", "cudnn", marks=gpu)],
+)
+def test_training_operator_matches_sdpa_by_groups_with_gradients(device: str, backend: str) -> None:
     """Output and q/k/v gradients of ``row_group_attention_train`` equal SDPA's group by group with autograd
-    (on CUDA: the flash and memory-efficient kernels, in bfloat16, where the two are as far from float32 as
-    each other), for every kind of grouping and for the last block's tail queries (``q`` shorter than ``k``)."""
+    (on CUDA in bfloat16, where the two are as far from float32 as each other: the flash and memory-efficient
+    kernels under ``efficient``, cuDNN's under ``cudnn``), for every kind of grouping and for the last block's
+    tail queries (``q`` shorter than ``k``). On CUDA the log-sum-exp is that of the float32 scores."""
     dtype, head = (torch.float32, 8) if device == "cpu" else (torch.bfloat16, 64)
     mask, size = _column(dtype)
     mask = mask.to(device)
@@ -65,7 +69,7 @@ def test_training_operator_matches_sdpa_by_groups_with_gradients(device: str) ->
                 lambda q, k, v, groups=groups: masked_attention(q, k, v, mask, "efficient", groups), *inputs
             )
             ours = _attend_with_gradients(
-                lambda q, k, v, table=table: row_group_attention_train(q, k, v, mask, table)[0], *inputs
+                lambda q, k, v, table=table: row_group_attention_train(q, k, v, mask, table, backend)[0], *inputs
             )
             if dtype == torch.float32:
                 for want, got, name in zip(sdpa, ours, ("out", "dq", "dk", "dv"), strict=True):
@@ -79,6 +83,17 @@ def test_training_operator_matches_sdpa_by_groups_with_gradients(device: str) ->
                 their_error = (theirs.float() - want).abs().max()
                 error = (got.float() - want).abs().max()
                 assert error <= 2 * their_error + 1e-3 * want.abs().max(), f"{name} {groups} tail {tail}"
+            if any(g.key_starts not in (None, (2, 0)) for g in groups):
+                continue  # text starts other than the mask's: the groups, not the mask, decide what is seen
+            q32, k32 = (t.float() for t in inputs[:2])
+            scores = torch.einsum("bqhd,bkhd->bhqk", q32, k32) / head**0.5
+            want = (scores + mask.float()[:, :, size - tail :, :size]).logsumexp(-1)
+            lse = row_group_attention_train(*inputs[:3], mask, table, backend)[1]
+            # the kernels sum bf16 products in float32 (each score off by up to head float32 roundings of its
+            # terms' magnitudes) and exponentiate to ~2^-22 relative
+            magnitude = torch.einsum("bqhd,bkhd->bhqk", q32.abs(), k32.abs()).amax() / head**0.5
+            bound = head * magnitude * 2**-23 + 2**-22 * want.abs().amax() + 1e-6
+            assert (lse - want).abs().max() <= bound, f"lse {groups} tail {tail}"
 
 
 def test_training_operator_log_sum_exp_and_schema() -> None:
@@ -88,10 +103,10 @@ def test_training_operator_log_sum_exp_and_schema() -> None:
     mask, size = _column()
     q, k, v = torch.randn(3, 2, size, 3, 8).unbind(0)
     groups = causal_row_groups(TEXT_LEN, GRIDS, 10, [2, 0])
-    _, lse = row_group_attention_train(q, k, v, mask, group_table(groups, 2))
+    _, lse = row_group_attention_train(q, k, v, mask, group_table(groups, 2), "efficient")
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / 8**0.5 + mask[:, :, :, :size]
     assert_rounding_close(lse, scores.logsumexp(-1), **SUMS)
-    args = (*(t.requires_grad_() for t in (q, k, v)), mask, group_table(groups, 2))
+    args = (*(t.requires_grad_() for t in (q, k, v)), mask, group_table(groups, 2), "efficient")
     torch.library.opcheck(row_group_attention_train, args)
     if hasattr(torch.Tag, "cudagraph_unsafe"):
         assert torch.Tag.cudagraph_unsafe in torch.ops.pfctl.row_group_attention_train.default.tags

@@ -8,10 +8,13 @@ groups as a host table (:func:`pfctl.models.attention_layout.group_table`), so a
 * without gradients (the sampler), :func:`row_group_attention`: :func:`masked_attention` group by group;
 * with gradients (training), :func:`row_group_attention_train`, whose backward is
   :func:`row_group_attention_backward`. Both call the fused kernels directly, call by call
-  (:func:`pfctl.models.attention_layout.row_group_calls`): the CPU's flash kernel; on CUDA the flash kernel
-  for the calls without a mask and the memory-efficient one for those with a mask (what SDPA picks under the
-  ``efficient`` backend, which training uses). The forward also returns each row's log-sum-exp, which its
-  backward takes instead of attending again, and a selectively checkpointed block keeps (``.checkpointing``).
+  (:func:`pfctl.models.attention_layout.row_group_calls`): the CPU's flash kernel; on CUDA, under the
+  ``efficient`` backend, the flash kernel for the calls without a mask and the memory-efficient one for
+  those with a mask (what SDPA picks with cuDNN left out); under ``cudnn`` cuDNN's kernel, much faster with
+  a mask, for those with a mask (a mask-free call's keys start at its items' valid text, so its shape
+  follows every caption's length, and cuDNN plans for every new shape: those stay on the flash kernel).
+  The forward also returns each row's log-sum-exp, which its backward takes instead of attending again, and
+  a selectively checkpointed block keeps (``.checkpointing``).
 
 Each operator's results are those of :meth:`pfctl.models.attention_layout.PyramidLayout.attend` up to the
 float rounding of the kernels.
@@ -96,62 +99,82 @@ def _table_plan(groups: torch.Tensor, first: int) -> _Plan:
 
 @functools.cache
 def _flash_takes(device: torch.device, dtype: torch.dtype, head: int) -> bool:
-    """Whether SDPA's flash kernel takes CUDA queries of ``dtype`` and head size ``head`` on ``device``."""
+    """Whether SDPA's flash kernel (and cuDNN's, where PyTorch has it) takes CUDA queries of ``dtype`` and
+    head size ``head`` on ``device``."""
     capable = torch.cuda.get_device_capability(device) >= (8, 0)
     return dtype in (torch.float16, torch.bfloat16) and head % 8 == 0 and head <= 256 and capable
 
 
-def _kernels(q: torch.Tensor) -> str:
-    """The kernels of a column's calls: ``cpu``; on CUDA ``flash`` (flash for the calls without a mask, the
-    memory-efficient kernel for those with one) or ``efficient`` (the memory-efficient kernel for all)."""
+def _kernels(q: torch.Tensor, backend: str) -> tuple[str, str]:
+    """The kernels of a column's calls without and with a mask: ``cpu`` on the CPU; on CUDA ``flash`` for
+    the calls without a mask, and for those with one cuDNN's under the ``cudnn`` backend, else the
+    memory-efficient kernel (``efficient``); ``efficient`` for both where flash cannot take the queries."""
     if q.device.type == "cpu":
-        return "cpu"
-    return "flash" if _flash_takes(q.device, q.dtype, q.shape[-1]) else "efficient"
+        return "cpu", "cpu"
+    if not _flash_takes(q.device, q.dtype, q.shape[-1]):
+        return "efficient", "efficient"
+    return "flash", "cudnn" if backend == "cudnn" and torch.backends.cudnn.is_available() else "efficient"
 
 
 @functools.cache
 def _kernel_state(kind: str, device: torch.device) -> tuple:
     """The tensors a fused CUDA kernel's backward takes besides the attention's own (sequence offsets, the
     dropout generator's state), as one tiny call of its forward returns them: without dropout the backward
-    reads none of their values."""
+    reads none of their values. cuDNN's: also how many dimensions its log-sum-exp has."""
     x = torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16, device=device)
     if kind == "flash":
         _, _, cum_q, cum_k, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(x, x, x)
         return cum_q, cum_k, seed, offset
+    if kind == "cudnn":
+        _, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(x, x, x, None, True)
+        return seed, offset, lse.dim()
     _, _, seed, offset = aten._scaled_dot_product_efficient_attention(x, x, x, None, True)
     return seed, offset
 
 
 def _call_forward(
-    kernels: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One call's output ``[b, H, rows, hd]`` and log-sum-exp ``[b, H, rows]`` (float32); ``q [b, H, rows,
     hd]``, ``k, v [b, H, keys, hd]``, ``mask [b, 1, rows, keys]`` additive or None."""
-    if kernels == "cpu":
+    if kernel == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask)
-    if mask is None and kernels == "flash":
+    if kernel == "flash":
         out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v)
         return out, lse
+    if kernel == "cudnn":
+        out, lse, *_ = aten._scaled_dot_product_cudnn_attention(q, k, v, mask, True)
+        return out, lse.reshape(q.shape[:3])
     bias = None if mask is None else mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True)
     return out, lse[..., : q.shape[2]]
 
 
 def _call_backward(
-    kernels: str, grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    kernel: str, grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The gradients of one call of :func:`_call_forward` with respect to ``q, k, v``, from its output and
     log-sum-exp (each ``[b, H, rows, ...]``, views of the whole column's)."""
-    if kernels == "cpu":
+    if kernel == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, out, lse, 0.0, False, attn_mask=mask
         )
     rows = q.shape[2]
-    if mask is None and kernels == "flash":
+    if kernel == "flash":
         cum_q, cum_k, seed, offset = _kernel_state("flash", q.device)
         return aten._scaled_dot_product_flash_attention_backward(
             grad, q, k, v, out, lse.contiguous(), cum_q, cum_k, rows, k.shape[2], 0.0, False, seed, offset
+        )
+    if kernel == "cudnn":
+        seed, offset, lse_dims = _kernel_state("cudnn", q.device)
+        stats = (lse if lse_dims == 3 else lse.unsqueeze(-1)).contiguous()
+        if q.shape[0] > 1:
+            # PyTorch keys cuDNN's plans on the q/k/v and mask layouts only: the output and its gradient get
+            # one layout per shape (with one item a call their item stride is never read)
+            grad, out = grad.contiguous(), out.contiguous()
+        return aten._scaled_dot_product_cudnn_attention_backward(
+            grad, q, k, v, out, stats, seed, offset, mask, None, None, rows, k.shape[2], 0.0, False
         )
     # the kernel reads the log-sum-exp of whole blocks of rows: padded as its forward left it
     padded = F.pad(lse, (0, -rows % _LSE_ALIGN))
@@ -179,20 +202,20 @@ def _mask_part(mask: torch.Tensor, call: RowGroupCall) -> torch.Tensor | None:
 
 @torch.library.custom_op("pfctl::row_group_attention_train", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
 def row_group_attention_train(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, groups: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, groups: torch.Tensor, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention of one column in the row groups of ``groups`` with gradients: ``q [B, Sq, H, hd]`` (the
-    column's last ``Sq`` positions), ``k, v [B, S, H, hd]``, ``mask`` its :func:`padded_attention_bias` ->
-    ``[B, Sq, H*hd]`` and the log-sum-exp of every query row, ``[B, H, Sq]`` float32."""
+    column's last ``Sq`` positions), ``k, v [B, S, H, hd]``, ``mask`` its :func:`padded_attention_bias`, on
+    the kernels of ``backend`` (:func:`_kernels`) -> ``[B, Sq, H*hd]`` and the log-sum-exp of every query
+    row, ``[B, H, Sq]`` float32."""
     plan = _table_plan(groups, k.shape[1] - q.shape[1])
-    mask, kernels = _column_mask(mask, q, k.shape[1]), _kernels(q)
+    mask, kernels = _column_mask(mask, q, k.shape[1]), _kernels(q, backend)
     qt, kt, vt = _heads_first(q, k, v)
-    results = [
-        _call_forward(
-            kernels, query, kt[call.items, :, call.keys], vt[call.items, :, call.keys], _mask_part(mask, call)
-        )
-        for query, call in zip(by_call(qt, plan.calls, plan.rows, 2), plan.calls, strict=True)
-    ]
+    results = []
+    for query, call in zip(by_call(qt, plan.calls, plan.rows, 2), plan.calls, strict=True):
+        part = _mask_part(mask, call)
+        keys, values = kt[call.items, :, call.keys], vt[call.items, :, call.keys]
+        results.append(_call_forward(kernels[part is not None], query, keys, values, part))
     out = from_calls([o.transpose(1, 2) for o, _ in results], plan.calls, plan.rows, 1, q.shape)
     lse = from_calls(
         [stats for _, stats in results], plan.calls, plan.rows, 2, (q.shape[0], q.shape[2], q.shape[1])
@@ -202,7 +225,7 @@ def row_group_attention_train(
 
 @row_group_attention_train.register_fake
 def _row_group_attention_train_shape(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, groups: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, groups: torch.Tensor, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     lse = q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2] * q.shape[3]), lse
@@ -211,22 +234,21 @@ def _row_group_attention_train_shape(
 @torch.library.custom_op("pfctl::row_group_attention_backward", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
 def row_group_attention_backward(
     grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-    groups: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    groups: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The gradients of :func:`row_group_attention_train` with respect to ``q, k, v``, given the gradient of
     its output, ``grad [B, Sq, H*hd]``, and its results ``out``, ``lse``: call by call, each from its
     rows' output and log-sum-exp, the key and value gradients of calls that share keys added up."""
     plan = _table_plan(groups, k.shape[1] - q.shape[1])
-    mask, kernels = _column_mask(mask, q, k.shape[1]), _kernels(q)
+    mask, kernels = _column_mask(mask, q, k.shape[1]), _kernels(q, backend)
     heads = q.shape[2:]
     qt, kt, vt, gt, ot = _heads_first(q, k, v, grad.unflatten(2, heads), out.unflatten(2, heads))
     dk, dv, dqs = k.new_zeros(k.shape), v.new_zeros(v.shape), []
     parts = zip(*(by_call(x, plan.calls, plan.rows, 2) for x in (gt, qt, ot, lse)), strict=True)
     for call, (g, query, o, stats) in zip(plan.calls, parts, strict=True):
-        items, keys = call.items, call.keys
-        gq, gk, gv = _call_backward(
-            kernels, g, query, kt[items, :, keys], vt[items, :, keys], _mask_part(mask, call), o, stats
-        )
+        items, keys, part = call.items, call.keys, _mask_part(mask, call)
+        kernel = kernels[part is not None]
+        gq, gk, gv = _call_backward(kernel, g, query, kt[items, :, keys], vt[items, :, keys], part, o, stats)
         dqs.append(gq.transpose(1, 2))
         dk[items, keys].add_(gk.transpose(1, 2))
         dv[items, keys].add_(gv.transpose(1, 2))
@@ -236,20 +258,21 @@ def row_group_attention_backward(
 @row_group_attention_backward.register_fake
 def _row_group_attention_backward_shape(
     grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-    groups: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    groups: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _save_for_backward(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, mask, groups = inputs
+    q, k, v, mask, groups, ctx.backend = inputs
     ctx.save_for_backward(q, k, v, mask, groups, *output)
 
 
 def _gradients(ctx: Any, grad: torch.Tensor, _grad_lse: torch.Tensor | None) -> tuple:
     q, k, v, mask, groups, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.pfctl.row_group_attention_backward(grad, q, k, v, mask, groups, out, lse)
-    return dq, dk, dv, None, None
+    backward = torch.ops.pfctl.row_group_attention_backward
+    dq, dk, dv = backward(grad, q, k, v, mask, groups, out, lse, ctx.backend)
+    return dq, dk, dv, None, None, None
 
 
 row_group_attention_train.register_autograd(_gradients, setup_context=_save_for_backward)
@@ -267,5 +290,5 @@ class CompiledRowGroups:
             return super().attend(layout, column, q, k, v)
         mask, table = layout.attn_masks[column], layout.group_tables[column]
         if torch.is_grad_enabled():
-            return torch.ops.pfctl.row_group_attention_train(q, k, v, mask, table)[0]
+            return torch.ops.pfctl.row_group_attention_train(q, k, v, mask, table, layout.attention_backend)[0]
         return torch.ops.pfctl.row_group_attention(q, k, v, mask, table, layout.attention_backend)
