@@ -34,6 +34,10 @@ ATTENTION_BACKENDS = ("auto", "efficient", "cudnn")
 #: boolean False (cuDNN mishandles -inf). With it every backend matches a boolean mask bit for bit: next to
 #: any allowed key (every row has one, the diagonal) exp(score - 65504 - max) underflows to exactly 0.
 MASKED = -65504.0
+#: under the ``cudnn`` backend the text is cut to a multiple of this many tokens
+#: (:meth:`PyramidAttention.align_text`): cuDNN builds a plan for every new shape, and the masked calls'
+#: shapes then follow the text's few lengths, not each caption's
+CUDNN_TEXT_MULTIPLE = 32
 
 
 def by_column(rows: torch.Tensor, num_columns: int) -> torch.Tensor:
@@ -378,15 +382,19 @@ def right_padded_lengths(mask: torch.Tensor) -> list[int] | None:
 
 
 def left_align_text(
-    encoder_hidden_states: torch.Tensor, encoder_attention_mask: torch.Tensor, text_lengths: Sequence[int]
+    encoder_hidden_states: torch.Tensor,
+    encoder_attention_mask: torch.Tensor,
+    text_lengths: Sequence[int],
+    multiple: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Text rows ``[R, L, ...]`` whose first ``text_lengths[r]`` tokens are valid, cut to the longest valid
-    length (the padding every row has) and rotated so each row's valid tokens end it.
+    length rounded up to a ``multiple`` (at most ``L``; the padding every row has) and rotated so each row's
+    valid tokens end it.
 
     Exact for everything the DiT returns: padding tokens only ever attend each other and every text token
     sits at RoPE position 0, so moving text tokens and dropping the padding all rows share change no image
     token."""
-    width = max(1, *text_lengths)
+    width = min(-(-max(1, *text_lengths) // multiple) * multiple, encoder_attention_mask.shape[1])
 
     def align(x: torch.Tensor) -> torch.Tensor:
         return torch.stack(
@@ -615,8 +623,8 @@ class PyramidAttention:
     ) -> tuple[torch.Tensor, torch.Tensor, list[int] | None]:
         """With row groups on and the text rows' valid lengths known on the host (``text_lengths``, matching
         ``encoder_attention_mask``: :func:`right_padded_lengths`): the text cut and left-aligned by
-        :func:`left_align_text`, and the lengths for :meth:`attention_row_groups`. Otherwise as given, and
-        None."""
+        :func:`left_align_text` (to a multiple of :data:`CUDNN_TEXT_MULTIPLE` tokens under the ``cudnn``
+        backend), and the lengths for :meth:`attention_row_groups`. Otherwise as given, and None."""
         if text_lengths is None or not self.row_groups_active:
             return encoder_hidden_states, encoder_attention_mask, None
         lengths = [int(n) for n in text_lengths]
@@ -628,4 +636,5 @@ class PyramidAttention:
             )
         if all(n == width for n in lengths):  # no padding: nothing to move
             return encoder_hidden_states, encoder_attention_mask, lengths
-        return (*left_align_text(encoder_hidden_states, encoder_attention_mask, lengths), lengths)
+        multiple = CUDNN_TEXT_MULTIPLE if self.attention_backend == "cudnn" else 1
+        return (*left_align_text(encoder_hidden_states, encoder_attention_mask, lengths, multiple), lengths)

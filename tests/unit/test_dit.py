@@ -462,6 +462,10 @@ def test_left_aligned_text_keeps_the_valid_tokens() -> None:
     aligned, aligned_mask = left_align_text(text, mask, [2, 3, 0])
     assert aligned_mask.tolist() == [[0, 1, 1], [1, 1, 1], [0, 0, 0]]
     assert aligned[aligned_mask.bool()].tolist() == [0.0, 1.0, 5.0, 6.0, 7.0]
+    aligned, aligned_mask = left_align_text(text, mask, [2, 3, 0], multiple=2)  # 3 rounded up to 4
+    assert aligned_mask.tolist() == [[0, 0, 1, 1], [0, 1, 1, 1], [0, 0, 0, 0]]
+    assert aligned[aligned_mask.bool()].tolist() == [0.0, 1.0, 5.0, 6.0, 7.0]
+    assert left_align_text(text, mask, [2, 3, 0], multiple=8)[1].shape == (3, 5)  # never past the text
 
 
 def test_grouped_columns_build_only_the_mask_their_masked_groups_read(monkeypatch) -> None:
@@ -533,10 +537,12 @@ def test_the_last_block_computes_only_the_rows_the_output_reads(monkeypatch, min
 def test_skip_future_keys_computes_the_same_attention(kind: str, monkeypatch) -> None:
     """``skip_future_keys``: row-grouped attention gives the one-call outputs and gradients (float32, to
     float rounding), checkpointed blocks included, and with the text lengths given (text cut to its longest
-    row, mask-free single-frame groups) too; models without temporal causality ignore it."""
+    row, mask-free single-frame groups) too, also cut only to a multiple of some tokens (as under ``cudnn``);
+    models without temporal causality ignore it."""
     import pfctl.models.attention_layout as dc
 
     monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", 8)  # several groups on these small columns
+    monkeypatch.setattr(dc, "CUDNN_TEXT_MULTIPLE", 3)  # the longest row (5 tokens) cut to 6: one padding kept
     monkeypatch.setattr(dc, "ROW_GROUP_MIN_TOKENS", 0)  # grouped however short the columns
     grouped, calls = dc._attention_by_row_groups, []
 
@@ -551,10 +557,11 @@ def test_skip_future_keys_computes_the_same_attention(kind: str, monkeypatch) ->
     args["encoder_attention_mask"] = F.pad(args["encoder_attention_mask"], (0, pad))
     lengths = dc.right_padded_lengths(args["encoder_attention_mask"])
     results = []
-    for skip, text_lengths in ((False, None), (True, None), (True, lengths)):
+    variants = ((False, None, "auto"), (True, None, "auto"), (True, lengths, "auto"), (True, lengths, "cudnn"))
+    for skip, text_lengths, backend in variants:
         calls.clear()
         model = checkpointed(build(kind).train(), 0.5)
-        model.set_attention_backend("auto", skip_future_keys=skip)
+        model.set_attention_backend(backend, skip_future_keys=skip)
         outs = model(**clone_args(args), text_lengths=text_lengths)
         sum(o.square().mean() for o in outs).backward()
         results.append(outs + [p.grad for p in model.parameters()])
@@ -564,6 +571,9 @@ def test_skip_future_keys_computes_the_same_attention(kind: str, monkeypatch) ->
         assert bool(calls) == skip and all(len(groups) > 2 for groups in calls)
         mask_free = [g for groups in calls for g in groups if g.key_starts is not None]
         assert bool(mask_free) == (text_lengths is not None)
+        if mask_free:  # the valid text starts at the cut width less the item's length
+            width = 6 if backend == "cudnn" else max(lengths)
+            assert max(s for g in mask_free for s in g.key_starts) == width - min(lengths)
     for variant in results[1:]:
         for got, want in zip(variant, results[0], strict=True):
             assert_rounding_close(got, want, **SUMS)
