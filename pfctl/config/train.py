@@ -186,10 +186,12 @@ class TrainConfig(Section):
     """With ``fsdp`` on CUDA: keep the parameter shards, gradients and optimizer state in host memory (the
     optimizer steps there). Nothing to offload on the CPU."""
     attention: Literal["auto", "efficient", "cudnn"] = "auto"
-    """The kernel of the DiT's masked attention: ``auto`` (default) cuDNN's when the blocks run as CUDA graphs,
-    else the memory-efficient one; ``efficient`` the memory-efficient kernel; ``cudnn`` cuDNN's, which builds
-    a plan per shape: the pyramid's shapes change every step, so in eager training the planning and the host
-    cost per call outweigh its faster kernel, while with CUDA graphs both costs are paid once per shape.
+    """The kernel of the DiT's masked attention: ``auto`` (default) cuDNN's when the blocks run as CUDA graphs
+    or are compiled with ``skip_future_keys``, else the memory-efficient one; ``efficient`` the
+    memory-efficient kernel; ``cudnn`` cuDNN's, faster, but it builds a plan for every new shape: the
+    pyramid's shapes change every step, so in eager training the planning and the host cost
+    per call outweigh its faster kernel, while with CUDA graphs both are paid once per shape, and compiled
+    row groups send it only their masked calls, whose shapes recur (the text cut to a multiple of 32 tokens).
     Same loss within bf16 rounding; no effect on the CPU. Measured step times: ``benchmarks/RESULTS.md``."""
     skip_future_keys: bool = False
     """Cut the text padding and attend the query rows of long columns (6,144+ tokens) in groups of whole
@@ -392,8 +394,8 @@ def resolve_train_speed(
 ) -> TrainSpeed:
     """The ``auto`` speed options for this device and world size: compiled blocks on CUDA; CUDA graphs where
     the blocks are compiled and neither checkpointing nor a sharded block changes what a block does in its
-    backward; cuDNN attention with the graphs (its per-shape planning is then
-    paid once), the memory-efficient kernel without. ``train.fsdp`` with one CUDA process (no host offload) shards nothing:
+    backward; cuDNN attention with the graphs or compiled row groups (its per-shape planning is then paid
+    once), the memory-efficient kernel otherwise. ``train.fsdp`` with one CUDA process (no host offload) shards nothing:
     skipped, so the graphs can stay on. ``no_compiler``: why ``torch.compile`` cannot generate code here (no
     Triton): ``auto`` then keeps the eager blocks. Explicit ``true`` / ``false`` settings are kept."""
     cuda = device_type == "cuda"
@@ -413,7 +415,7 @@ def resolve_train_speed(
     )
     attention = train.attention
     if attention == "auto":
-        attention = "cudnn" if graphs else "efficient"
+        attention = "cudnn" if graphs or (compiled and train.skip_future_keys) else "efficient"
     checkpointing = "none"
     if train.gradient_checkpointing:
         checkpointing = f"{train.gradient_checkpointing_ratio:g} {train.gradient_checkpointing_policy}"

@@ -149,6 +149,9 @@ SPEED_CASES = [
     (["train.fsdp=full_shard"], "cpu", 1, (False, False, "efficient", "full_shard")),
     (["train.cuda_graphs=false"], "cuda", 1, (True, False, "efficient", "none")),
     (["train.attention=efficient"], "cuda", 1, (True, True, "efficient", "none")),
+    # compiled row groups send cuDNN only their masked calls, whose shapes recur
+    (["train.gradient_checkpointing=true", "train.skip_future_keys=true"], "cuda", 1, (True, False, "cudnn", "none")),
+    (["train.compile=false", "train.skip_future_keys=true"], "cuda", 1, (False, False, "efficient", "none")),
     (["train.compile=true", "train.cuda_graphs=true"], "cpu", 1, (False, False, "efficient", "none")),
 ]
 
