@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite in one call (2x H200: single-GPU benchmarks on GPU 0, then the
 # 2-process sync-group run and the FSDP tests on both). Results: $OUT (or ./bench-out).
-# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,refgen768,gen768,gen768skip,gen768prof,attention,traingraphs,rowgroups,lowmem,fp8,refgen1,recipe384,graphtests,recipe768,warmupprof,recipe768prof,recipe768rowgroups,recipe768rows,trainattention,composetest,recipe384warm,gen2gpu,lowmem768]
+# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,refgen768,gen768,gen768skip,gen768prof,attention,traingraphs,rowgroups,lowmem,fp8,refgen1,recipe384,graphtests,recipe768,warmupprof,recipe768prof,recipe768rowgroups,recipe768rows,recipe768kernels,trainattention,composetest,recipe384warm,gen2gpu,lowmem768]
 # (LAYOUTS=channels_last_unfused,channels_last picks the VAE layouts the vae steps time)
 # (TRAIN_VARIANTS=efficient,efficient+compile+skip picks the pfctl variants the trainvariants step times)
 # (reference: needs a Pyramid-Flow checkout in third_party/Pyramid-Flow and einops; not in the default list)
@@ -152,6 +152,14 @@ case ",$STEPS," in *,recipe768rows,*)
   echo "=== the 768p recipe on one GPU, row groups closing at 512 rows (the model's), then one frame per group (GPU $GPU; ~5 min)"
   for n in 512 1; do
     CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-768p-8gpu --processes 1 --warmup 8 --steps 8 --no-checkpoint --set train.row_group_min_rows=$n --json "$OUT/recipe768_rows_$n.json" 2>&1 | tee -a "$OUT/suite.log" | grep -E "^(steady|image tokens|MFU|host busy|peak|step times|last loss|time to)"
+  done;;
+esac
+case ",$STEPS," in *,recipe768kernels,*)
+  # session 31: cuDNN's kernel for the row groups' masked calls (train.attention auto) against the memory-efficient one;
+  # cuDNN plans each new shape in the first cycle, so the warm-up is one cycle (8 steps) and more
+  echo "=== the 768p recipe on one GPU, masked calls on cuDNN (the default), then on the memory-efficient kernel (GPU $GPU; ~7 min cold)"
+  for kernel in cudnn efficient; do
+    CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-768p-8gpu --processes 1 --warmup 10 --steps 8 --no-checkpoint --set train.attention=$kernel --json "$OUT/recipe768_$kernel.json" 2>&1 | tee -a "$OUT/suite.log" | grep -E "^(steady|image tokens|MFU|host busy|peak|step times|last loss|time to)"
   done;;
 esac
 case ",$STEPS," in *,trainattention,*)
