@@ -110,3 +110,18 @@ def test_training_operator_log_sum_exp_and_schema() -> None:
     torch.library.opcheck(row_group_attention_train, args)
     if hasattr(torch.Tag, "cudagraph_unsafe"):
         assert torch.Tag.cudagraph_unsafe in torch.ops.pfctl.row_group_attention_train.default.tags
+
+
+@pytest.mark.parametrize(("version", "takes"), [(None, False), (8907, False), (90100, True)])
+def test_cudnn_masked_calls_need_cudnn_9(monkeypatch, version: int | None, takes: bool) -> None:
+    """The ``cudnn`` backend sends the masked calls to cuDNN's fused attention only where PyTorch was built
+    with cuDNN 9 or newer (this PyTorch's operator takes the mask); elsewhere they stay memory-efficient."""
+    from pfctl.models.fast import row_groups
+
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: version is not None)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: version)
+    row_groups._cudnn_takes_masks.cache_clear()
+    try:
+        assert row_groups._cudnn_takes_masks() is takes
+    finally:
+        row_groups._cudnn_takes_masks.cache_clear()

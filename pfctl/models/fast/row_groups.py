@@ -105,15 +105,25 @@ def _flash_takes(device: torch.device, dtype: torch.dtype, head: int) -> bool:
     return dtype in (torch.float16, torch.bfloat16) and head % 8 == 0 and head <= 256 and capable
 
 
+@functools.cache
+def _cudnn_takes_masks() -> bool:
+    """Whether this PyTorch runs cuDNN's fused attention with an additive mask: built with cuDNN 9 or newer,
+    its operator taking ``attn_bias`` (PyTorch 2.5 and newer)."""
+    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    schema = aten._scaled_dot_product_cudnn_attention.default._schema
+    return version is not None and version >= 90000 and "attn_bias" in [a.name for a in schema.arguments]
+
+
 def _kernels(q: torch.Tensor, backend: str) -> tuple[str, str]:
     """The kernels of a column's calls without and with a mask: ``cpu`` on the CPU; on CUDA ``flash`` for
-    the calls without a mask, and for those with one cuDNN's under the ``cudnn`` backend, else the
-    memory-efficient kernel (``efficient``); ``efficient`` for both where flash cannot take the queries."""
+    the calls without a mask, and for those with one cuDNN's under the ``cudnn`` backend (where this PyTorch
+    has it), else the memory-efficient kernel (``efficient``); ``efficient`` for both where flash cannot take
+    the queries."""
     if q.device.type == "cpu":
         return "cpu", "cpu"
     if not _flash_takes(q.device, q.dtype, q.shape[-1]):
         return "efficient", "efficient"
-    return "flash", "cudnn" if backend == "cudnn" and torch.backends.cudnn.is_available() else "efficient"
+    return "flash", "cudnn" if backend == "cudnn" and _cudnn_takes_masks() else "efficient"
 
 
 @functools.cache
