@@ -74,7 +74,7 @@ def attention_step(columns, setting: str, batch: int, heads: int, head_dim: int,
         start = time.perf_counter()
         q, k, v = leaf.unbind(2)
         if operator:
-            table = dc.group_table(groups or [dc.RowGroup(0, size)], batch)
+            table = dc.group_table(groups or [dc.RowGroup(0, size)], batch, TEXT_LEN)
             out = row_group_attention_train(q, k, v, mask, table, backend)[0]
         else:
             out = dc.masked_attention(q, k, v, mask, "efficient", groups)

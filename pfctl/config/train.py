@@ -191,7 +191,8 @@ class TrainConfig(Section):
     memory-efficient kernel; ``cudnn`` cuDNN's, faster, but it builds a plan for every new shape: the
     pyramid's shapes change every step, so in eager training the planning and the host cost
     per call outweigh its faster kernel, while with CUDA graphs both are paid once per shape, and compiled
-    row groups send it only their masked calls, whose shapes recur (the text cut to a multiple of 32 tokens).
+    row groups send it only calls whose shapes recur: the masked ones (the text cut to a multiple of 32
+    tokens) and the image keys of the mask-free ones (their valid text goes to the flash kernel).
     Same loss within bf16 rounding; no effect on the CPU. Measured step times: ``benchmarks/RESULTS.md``."""
     skip_future_keys: bool = False
     """Cut the text padding and attend the query rows of long columns (6,144+ tokens) in groups of whole
@@ -208,7 +209,8 @@ class TrainConfig(Section):
     row_group_min_rows: int | None = Field(default=None, ge=1)
     """With ``skip_future_keys``: the fewest query rows a row group closes with (whole frames are gathered
     until it has them). None (default): the model's own, 512 rows (chosen for sampling); ``1``: one frame per
-    group, so every call attends with no mask (the flash kernel), at the cost of more, smaller calls."""
+    group, so every call attends with no mask (the flash kernel; under ``cudnn`` cuDNN's for the image keys),
+    at the cost of more, smaller calls."""
     compile: bool | Literal["auto"] = "auto"
     """``torch.compile`` each DiT block (dynamic shapes): fuses the norms, RoPE, modulation and residuals around
     the matmuls, forward and backward. ``auto`` (default): on CUDA, off on the CPU (where the blocks run

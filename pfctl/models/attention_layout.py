@@ -452,7 +452,7 @@ class PyramidLayout:
         if self.grouping:
             row_groups = self.row_groups or [None] * self.num_columns
             self.group_tables = [
-                group_table(groups or [RowGroup(0, self.text_len + n)], self.batch)
+                group_table(groups or [RowGroup(0, self.text_len + n)], self.batch, self.text_len)
                 for groups, n in zip(row_groups, self.image_lengths, strict=True)
             ]
 
@@ -488,14 +488,19 @@ def tail_table(table: RotaryTable, lengths: Sequence[int], tails: Sequence[int])
     )
 
 
-def group_table(groups: Sequence[RowGroup], batch: int) -> torch.Tensor:
-    """Row groups as a host table ``[G, 2 + batch]`` int64: start, end, then each item's key start (``-1``
-    throughout for a group attended under the mask). A single group is followed by an empty one (no rows): a
-    compiled block taking the table would specialise on a size of 1."""
-    rows = [[g.start, g.end, *(g.key_starts or (-1,) * batch)] for g in groups]
-    end = groups[-1].end
-    rows += [[end, end, *(-1,) * batch]] * (2 - len(rows))
+def group_table(groups: Sequence[RowGroup], batch: int, text_len: int) -> torch.Tensor:
+    """Row groups as a host table ``[1 + G, 2 + batch]`` int64: a first row ``[text_len, text_len, -1, ...]``
+    (an empty group: the column's text length, :func:`table_text_len`), then per group its start, end and each
+    item's key start (``-1`` throughout for a group attended under the mask). At least two rows: a compiled
+    block taking the table would specialise on a size of 1."""
+    rows = [[text_len, text_len, *(-1,) * batch]]
+    rows += [[g.start, g.end, *(g.key_starts or (-1,) * batch)] for g in groups]
     return torch.tensor(rows, dtype=torch.int64)
+
+
+def table_text_len(table: torch.Tensor) -> int:
+    """The text length a :func:`group_table` was built with."""
+    return int(table[0, 0])
 
 
 class PyramidAttention:

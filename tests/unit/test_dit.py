@@ -429,6 +429,7 @@ def test_row_group_attention_operator_is_the_masked_attention() -> None:
         causal_row_groups,
         group_table,
         masked_attention,
+        table_text_len,
     )
     from pfctl.models.fast.row_groups import row_group_attention, table_groups
 
@@ -444,12 +445,12 @@ def test_row_group_attention_operator_is_the_masked_attention() -> None:
         causal_row_groups(text_len, grids, 10),
         [RowGroup(0, size)],
     ):
-        table = group_table(groups, 2)
-        assert table_groups(table) == groups
+        table = group_table(groups, 2, text_len)
+        assert table_groups(table) == groups and table_text_len(table) == text_len
         got = torch.ops.pfctl.row_group_attention(q, k, v, bias, table, "auto")
         assert got.shape == want.shape
         assert_rounding_close(got, want, **SUMS)
-    torch.library.opcheck(row_group_attention, (q, k, v, bias, group_table(groups, 2), "auto"))
+    torch.library.opcheck(row_group_attention, (q, k, v, bias, group_table(groups, 2, text_len), "auto"))
 
 
 def test_left_aligned_text_keeps_the_valid_tokens() -> None:

@@ -16,6 +16,7 @@ from pfctl.models.attention_layout import (
     masked_attention,
     padded_attention_bias,
 )
+from pfctl.models.fast import row_groups
 from pfctl.models.fast.row_groups import row_group_attention_train
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -33,6 +34,7 @@ def _groupings(size: int) -> list[list[RowGroup]]:
         causal_row_groups(TEXT_LEN, GRIDS, 1, [2, 0]),  # one frame a group, no mask
         causal_row_groups(TEXT_LEN, GRIDS, 10, [2, 0]),  # masked groups and mask-free ones
         causal_row_groups(TEXT_LEN, GRIDS, 1, [2, 2]),  # one run of items: whole-batch calls
+        causal_row_groups(TEXT_LEN, GRIDS, 1, [TEXT_LEN, 0]),  # an item without valid text
         causal_row_groups(TEXT_LEN, GRIDS, 10),
         [RowGroup(0, size)],  # a column too short to be grouped
     ]
@@ -47,19 +49,28 @@ def _attend_with_gradients(attend, q, k, v, weight) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize(
     "device, backend",
-    [("cpu", "efficient"), pytest.param("cuda", "efficient", marks=gpu), pytest.param("cuda", "cudnn", marks=gpu)],
+    [
+        ("cpu", "efficient"),
+        ("cpu", "split"),
+        pytest.param("cuda", "efficient", marks=gpu),
+        pytest.param("cuda", "cudnn", marks=gpu),
+    ],
 )
-def test_training_operator_matches_sdpa_by_groups_with_gradients(device: str, backend: str) -> None:
+def test_training_operator_matches_sdpa_by_groups_with_gradients(monkeypatch, device: str, backend: str) -> None:
     """Output and q/k/v gradients of ``row_group_attention_train`` equal SDPA's group by group with autograd
     (on CUDA in bfloat16, where the two are as far from float32 as each other: the flash and memory-efficient
-    kernels under ``efficient``, cuDNN's under ``cudnn``), for every kind of grouping and for the last block's
-    tail queries (``q`` shorter than ``k``). On CUDA the log-sum-exp is that of the float32 scores."""
+    kernels under ``efficient``, cuDNN's under ``cudnn``, its mask-free calls split into image and text keys),
+    for every kind of grouping and for the last block's tail queries (``q`` shorter than ``k``). ``split``:
+    the CPU's kernel with the mask-free calls split as under ``cudnn``, equal within float32 rounding. On
+    CUDA the log-sum-exp is that of the float32 scores."""
+    if backend == "split":
+        monkeypatch.setattr(row_groups, "_kernels", lambda q, backend: row_groups._Kernels("cpu", "cpu", "cpu"))
     dtype, head = (torch.float32, 8) if device == "cpu" else (torch.bfloat16, 64)
     mask, size = _column(dtype)
     mask = mask.to(device)
     gen = torch.Generator().manual_seed(0)
     for groups in _groupings(size):
-        table = group_table(groups, 2)
+        table = group_table(groups, 2, TEXT_LEN)
         for tail in (size, 16):
             q = torch.randn(2, tail, 3, head, generator=gen)
             k, v = torch.randn(2, 2, size, 3, head, generator=gen).unbind(1)  # strided [B, S, H, hd] views
@@ -103,10 +114,10 @@ def test_training_operator_log_sum_exp_and_schema() -> None:
     mask, size = _column()
     q, k, v = torch.randn(3, 2, size, 3, 8).unbind(0)
     groups = causal_row_groups(TEXT_LEN, GRIDS, 10, [2, 0])
-    _, lse = row_group_attention_train(q, k, v, mask, group_table(groups, 2), "efficient")
+    _, lse = row_group_attention_train(q, k, v, mask, group_table(groups, 2, TEXT_LEN), "efficient")
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / 8**0.5 + mask[:, :, :, :size]
     assert_rounding_close(lse, scores.logsumexp(-1), **SUMS)
-    args = (*(t.requires_grad_() for t in (q, k, v)), mask, group_table(groups, 2), "efficient")
+    args = (*(t.requires_grad_() for t in (q, k, v)), mask, group_table(groups, 2, TEXT_LEN), "efficient")
     torch.library.opcheck(row_group_attention_train, args)
     if hasattr(torch.Tag, "cudagraph_unsafe"):
         assert torch.Tag.cudagraph_unsafe in torch.ops.pfctl.row_group_attention_train.default.tags
@@ -116,8 +127,6 @@ def test_training_operator_log_sum_exp_and_schema() -> None:
 def test_cudnn_masked_calls_need_cudnn_9(monkeypatch, version: int | None, takes: bool) -> None:
     """The ``cudnn`` backend sends the masked calls to cuDNN's fused attention only where PyTorch was built
     with cuDNN 9 or newer (this PyTorch's operator takes the mask); elsewhere they stay memory-efficient."""
-    from pfctl.models.fast import row_groups
-
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: version is not None)
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: version)
     row_groups._cudnn_takes_masks.cache_clear()
@@ -125,3 +134,19 @@ def test_cudnn_masked_calls_need_cudnn_9(monkeypatch, version: int | None, takes
         assert row_groups._cudnn_takes_masks() is takes
     finally:
         row_groups._cudnn_takes_masks.cache_clear()
+
+
+def test_split_calls_give_the_image_keys_one_shape_whatever_the_captions() -> None:
+    """Under ``cudnn`` the mask-free groups' image rows take one call of every item against the image keys
+    (cuDNN plans once per shape), whatever the items' valid text; the text goes to per-run calls."""
+    shapes = set()
+    for starts in ([0, 0], [2, 0], [3, 3], [TEXT_LEN, 1]):
+        groups = causal_row_groups(TEXT_LEN, GRIDS, 1, starts)
+        table = group_table(groups, 2, TEXT_LEN)
+        plan = row_groups._table_plan(table, 0, True)
+        split = [c for c, s in zip(plan.calls, plan.splits, strict=True) if s is not None]
+        assert all(c.items == slice(None) and c.keys.start == TEXT_LEN for c in split)
+        shapes.add(tuple((c.rows.start, c.rows.stop, c.keys.stop) for c in split))
+        runs = [len(s.text) for s in plan.splits if s is not None]
+        assert runs == [len({st for st in starts if st < TEXT_LEN})] * len(split)
+    assert len(shapes) == 1

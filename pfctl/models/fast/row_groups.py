@@ -10,9 +10,11 @@ groups as a host table (:func:`pfctl.models.attention_layout.group_table`), so a
   :func:`row_group_attention_backward`. Both call the fused kernels directly, call by call
   (:func:`pfctl.models.attention_layout.row_group_calls`): the CPU's flash kernel; on CUDA, under the
   ``efficient`` backend, the flash kernel for the calls without a mask and the memory-efficient one for
-  those with a mask (what SDPA picks with cuDNN left out); under ``cudnn`` cuDNN's kernel, much faster with
-  a mask, for those with a mask (a mask-free call's keys start at its items' valid text, so its shape
-  follows every caption's length, and cuDNN plans for every new shape: those stay on the flash kernel).
+  those with a mask (what SDPA picks with cuDNN left out); under ``cudnn`` cuDNN's kernel, much faster, for
+  those with a mask and for the image keys of those without. cuDNN plans for every new shape, and a
+  mask-free call's keys start at its items' valid text, so its shape follows every caption's length: its
+  image rows are attended in two parts merged by their log-sum-exps, the image keys of every item in one
+  cuDNN call (a shape the captions never change) and each item's valid text on the flash kernel.
   The forward also returns each row's log-sum-exp, which its backward takes instead of attending again, and
   a selectively checkpointed block keeps (``.checkpointing``).
 
@@ -23,6 +25,7 @@ float rounding of the kernels.
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any, NamedTuple
 
 import torch
@@ -36,6 +39,7 @@ from pfctl.models.attention_layout import (
     from_calls,
     masked_attention,
     row_group_calls,
+    table_text_len,
     whole_item_rows,
 )
 
@@ -76,25 +80,73 @@ def _row_group_attention_shape(
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2] * q.shape[3])
 
 
+class _Split(NamedTuple):
+    """A mask-free call's image rows attended in two parts, merged by their log-sum-exps: the keys from the end
+    of the text on (the image tokens, the same for every item) in one call of the ``frames`` kernel (cuDNN's,
+    whose shape then never follows a caption), and each run of items' valid text ``(items, keys)`` in a call
+    of the mask-free kernel."""
+
+    text: tuple[tuple[slice, slice], ...]
+
+
 class _Plan(NamedTuple):
-    """The calls of one column's row groups (:func:`row_group_calls`) and their :func:`whole_item_rows`."""
+    """The calls of one column's row groups (:func:`row_group_calls`, or :func:`_split_calls`), their
+    :func:`whole_item_rows`, and per call its :class:`_Split` (None: one call)."""
 
     calls: list[RowGroupCall]
     rows: list[int] | None
+    splits: list[_Split | None]
+
+
+def _split_calls(
+    groups: list[RowGroup], first: int, text_len: int
+) -> tuple[list[RowGroupCall], list[_Split | None]]:
+    """:func:`row_group_calls` with every mask-free group's image rows as one call of all items against the
+    keys ``[text_len, end)``, split off its items' valid text (:class:`_Split`); its text rows (the first
+    group's) stay as :func:`row_group_calls` attends them."""
+    calls: list[RowGroupCall] = []
+    splits: list[_Split | None] = []
+    for group in groups:
+        a, b, starts = group
+        if starts is None or b <= max(first, text_len):
+            plain = row_group_calls([group], first)
+            calls, splits = calls + plain, splits + [None] * len(plain)
+            continue
+        for call in row_group_calls([group], first):  # the text rows' calls, cut where the text ends
+            end = min(call.rows.stop, text_len - first)
+            if call.rows.start < end:
+                calls.append(call._replace(rows=slice(call.rows.start, end)))
+                splits.append(None)
+        text, item = [], 0
+        for start, run in itertools.groupby(starts):
+            count = len(list(run))
+            items = slice(None) if count == len(starts) else slice(item, item + count)
+            if start < text_len:  # an item without valid text sees the image keys only
+                text.append((items, slice(start, text_len)))
+            item += count
+        lo = max(a, first, text_len)
+        calls.append(RowGroupCall(slice(None), slice(lo - first, b - first), slice(text_len, b), None))
+        splits.append(_Split(tuple(text)))
+    return calls, splits
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_plan(table: bytes, width: int, first: int) -> _Plan:
+def _cached_plan(table: bytes, width: int, first: int, split: bool) -> _Plan:
     rows = torch.frombuffer(bytearray(table), dtype=torch.int64).view(-1, width)
-    calls = row_group_calls(table_groups(rows), first)
-    return _Plan(calls, whole_item_rows(calls))
+    groups = table_groups(rows)
+    if split:
+        calls, splits = _split_calls(groups, first, table_text_len(rows))
+    else:
+        calls = row_group_calls(groups, first)
+        splits = [None] * len(calls)
+    return _Plan(calls, whole_item_rows(calls), splits)
 
 
-def _table_plan(groups: torch.Tensor, first: int) -> _Plan:
-    """The :class:`_Plan` of a group table, worked out once per table and first query (every block of a
-    forward attends a column with the same ones)."""
+def _table_plan(groups: torch.Tensor, first: int, split: bool) -> _Plan:
+    """The :class:`_Plan` of a group table, worked out once per table, first query and kind (every block of a
+    forward attends a column with the same ones); ``split``: with :func:`_split_calls`."""
     table = groups.contiguous()
-    return _cached_plan(table.numpy().tobytes(), table.shape[1], first)
+    return _cached_plan(table.numpy().tobytes(), table.shape[1], first, split)
 
 
 @functools.cache
@@ -114,16 +166,27 @@ def _cudnn_takes_masks() -> bool:
     return version is not None and version >= 90000 and "attn_bias" in [a.name for a in schema.arguments]
 
 
-def _kernels(q: torch.Tensor, backend: str) -> tuple[str, str]:
-    """The kernels of a column's calls without and with a mask: ``cpu`` on the CPU; on CUDA ``flash`` for
-    the calls without a mask, and for those with one cuDNN's under the ``cudnn`` backend (where this PyTorch
-    has it), else the memory-efficient kernel (``efficient``); ``efficient`` for both where flash cannot take
-    the queries."""
+class _Kernels(NamedTuple):
+    """The kernels of a column's calls: without a mask, with one, and for the image keys of a :class:`_Split`
+    call (None: mask-free calls are not split)."""
+
+    plain: str
+    masked: str
+    frames: str | None = None
+
+
+def _kernels(q: torch.Tensor, backend: str) -> _Kernels:
+    """The kernels of a column's calls: ``cpu`` on the CPU; on CUDA ``flash`` for the calls without a mask, and
+    for those with one the memory-efficient kernel (``efficient``); under the ``cudnn`` backend (where this
+    PyTorch has cuDNN's masked attention) cuDNN's for those with a mask and for the image keys of the
+    mask-free ones (:func:`_split_calls`); ``efficient`` for all where flash cannot take the queries."""
     if q.device.type == "cpu":
-        return "cpu", "cpu"
+        return _Kernels("cpu", "cpu")
     if not _flash_takes(q.device, q.dtype, q.shape[-1]):
-        return "efficient", "efficient"
-    return "flash", "cudnn" if backend == "cudnn" and _cudnn_takes_masks() else "efficient"
+        return _Kernels("efficient", "efficient")
+    if backend == "cudnn" and _cudnn_takes_masks():
+        return _Kernels("flash", "cudnn", "cudnn")
+    return _Kernels("flash", "efficient")
 
 
 @functools.cache
@@ -210,6 +273,33 @@ def _mask_part(mask: torch.Tensor, call: RowGroupCall) -> torch.Tensor | None:
     return None if call.mask_rows is None else mask[call.items, :, call.mask_rows, call.keys]
 
 
+def _merge(
+    out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor, other_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention over two disjoint key sets from each one's output and log-sum-exp: the outputs weighted
+    by their shares of the softmax mass (in float32), and the log-sum-exp of both."""
+    share = torch.sigmoid(lse - other_lse).unsqueeze(-1)
+    merged = torch.lerp(other.float(), out.float(), share).to(out.dtype)
+    return merged, torch.logaddexp(lse, other_lse)
+
+
+def _split_forward(
+    kernels: _Kernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: slice, split: _Split
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A :class:`_Split` call's output and log-sum-exp: its image ``keys`` of every item on the ``frames``
+    kernel, merged (:func:`_merge`) with each run of items' valid text on the mask-free one. Its backward
+    takes each part's kernel backward with the merged output and log-sum-exp (which give every part its
+    rows' true softmax) and adds up the query gradients."""
+    out, lse = _call_forward(kernels.frames, q, k[:, :, keys], v[:, :, keys], None)
+    for items, text in split.text:
+        part = _call_forward(kernels.plain, q[items], k[items, :, text], v[items, :, text], None)
+        if items == slice(None):
+            out, lse = _merge(out, lse, *part)
+        else:
+            out[items], lse[items] = _merge(out[items], lse[items], *part)
+    return out, lse
+
+
 @torch.library.custom_op("pfctl::row_group_attention_train", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
 def row_group_attention_train(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, groups: torch.Tensor, backend: str
@@ -218,11 +308,14 @@ def row_group_attention_train(
     column's last ``Sq`` positions), ``k, v [B, S, H, hd]``, ``mask`` its :func:`padded_attention_bias`, on
     the kernels of ``backend`` (:func:`_kernels`) -> ``[B, Sq, H*hd]`` and the log-sum-exp of every query
     row, ``[B, H, Sq]`` float32."""
-    plan = _table_plan(groups, k.shape[1] - q.shape[1])
     mask, kernels = _column_mask(mask, q, k.shape[1]), _kernels(q, backend)
+    plan = _table_plan(groups, k.shape[1] - q.shape[1], kernels.frames is not None)
     qt, kt, vt = _heads_first(q, k, v)
     results = []
-    for query, call in zip(by_call(qt, plan.calls, plan.rows, 2), plan.calls, strict=True):
+    for query, call, split in zip(by_call(qt, plan.calls, plan.rows, 2), plan.calls, plan.splits, strict=True):
+        if split is not None:
+            results.append(_split_forward(kernels, query, kt, vt, call.keys, split))
+            continue
         part = _mask_part(mask, call)
         keys, values = kt[call.items, :, call.keys], vt[call.items, :, call.keys]
         results.append(_call_forward(kernels[part is not None], query, keys, values, part))
@@ -249,16 +342,23 @@ def row_group_attention_backward(
     """The gradients of :func:`row_group_attention_train` with respect to ``q, k, v``, given the gradient of
     its output, ``grad [B, Sq, H*hd]``, and its results ``out``, ``lse``: call by call, each from its
     rows' output and log-sum-exp, the key and value gradients of calls that share keys added up."""
-    plan = _table_plan(groups, k.shape[1] - q.shape[1])
     mask, kernels = _column_mask(mask, q, k.shape[1]), _kernels(q, backend)
+    plan = _table_plan(groups, k.shape[1] - q.shape[1], kernels.frames is not None)
     heads = q.shape[2:]
     qt, kt, vt, gt, ot = _heads_first(q, k, v, grad.unflatten(2, heads), out.unflatten(2, heads))
     dk, dv, dqs = k.new_zeros(k.shape), v.new_zeros(v.shape), []
     parts = zip(*(by_call(x, plan.calls, plan.rows, 2) for x in (gt, qt, ot, lse)), strict=True)
-    for call, (g, query, o, stats) in zip(plan.calls, parts, strict=True):
+    for call, split, (g, query, o, stats) in zip(plan.calls, plan.splits, parts, strict=True):
         items, keys, part = call.items, call.keys, _mask_part(mask, call)
-        kernel = kernels[part is not None]
+        kernel = kernels.frames if split is not None else kernels[part is not None]
         gq, gk, gv = _call_backward(kernel, g, query, kt[items, :, keys], vt[items, :, keys], part, o, stats)
+        for run, text in split.text if split is not None else ():
+            tq, tk, tv = _call_backward(
+                kernels.plain, g[run], query[run], kt[run, :, text], vt[run, :, text], None, o[run], stats[run]
+            )
+            gq[run].add_(tq)
+            dk[run, text].add_(tk.transpose(1, 2))
+            dv[run, text].add_(tv.transpose(1, 2))
         dqs.append(gq.transpose(1, 2))
         dk[items, keys].add_(gk.transpose(1, 2))
         dv[items, keys].add_(gv.transpose(1, 2))
