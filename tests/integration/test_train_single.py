@@ -365,6 +365,43 @@ def test_cuda_graphs_train_like_the_eager_path_with_accumulation(cache: Path, tm
     assert runs["fast"] == pytest.approx(runs["eager"], rel=2e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_row_groups_on_cudnn_train_like_the_eager_path(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 768p recipe's speed settings in miniature: compiled blocks, three quarters of them checkpointed
+    (``selective_narrow``), every column in row groups (``skip_future_keys``, ``row_group_min_tokens=0``) on
+    cuDNN's kernel (the masked calls, and the mask-free calls' image keys apart from each caption's valid text,
+    which differ in length here): the losses follow the eager path's one-call attention within the rounding
+    of bf16 autocast."""
+    import pfctl.models.attention_layout as dc
+
+    monkeypatch.setattr(dc, "ROW_GROUP_MIN_ROWS", 4)  # masked and mask-free groups on the tiny preset
+    fast = {
+        "compile": True,
+        "cuda_graphs": False,
+        "attention": "cudnn",
+        "skip_future_keys": True,
+        "row_group_min_tokens": 0,
+        "gradient_checkpointing": True,
+        "gradient_checkpointing_ratio": 0.75,
+        "gradient_checkpointing_policy": "selective_narrow",
+    }
+    runs = {}
+    for name, switch in (("eager", {"compile": False, "attention": "efficient"}), ("fast", fast)):
+        cfg = config(cache, tmp_path / name, max_steps=3, export=False, **switch)
+        cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"device": "cuda"})})
+        api.train(cfg)
+        runs[name] = [r["loss"] for r in metrics(tmp_path / name) if "loss" in r]
+        settled = yaml.safe_load((tmp_path / name / "config.yaml").read_text())["train"]
+        assert settled["compile"] is (name == "fast") and settled["attention"] == switch["attention"]
+    assert len(runs["fast"]) == 3
+    # bf16 rounds each product's inputs to 8 bits (2^-8 relative); the paths fuse and split differently
+    assert runs["fast"] == pytest.approx(runs["eager"], rel=2e-2)
+
+
 @pytest.mark.parametrize("every", [2, 0])
 def test_garbage_is_collected_at_step_boundaries_during_training(cache: Path, tmp_path: Path, every: int) -> None:
     """``train.gc_every``: Python's automatic collection is off from the first step until the trainer closes

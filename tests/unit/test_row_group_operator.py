@@ -150,3 +150,14 @@ def test_split_calls_give_the_image_keys_one_shape_whatever_the_captions() -> No
         runs = [len(s.text) for s in plan.splits if s is not None]
         assert runs == [len({st for st in starts if st < TEXT_LEN})] * len(split)
     assert len(shapes) == 1
+
+
+def test_calls_cudnn_refuses_go_to_the_other_kernels() -> None:
+    """cuDNN's fused attention refuses one query against one key (a one-token frame's image rows): such a call
+    runs on the kernel the other backend gives it, with or without a mask; any other stays on cuDNN."""
+    one, two = torch.zeros(1, 2, 1, 64), torch.zeros(1, 2, 2, 64)
+    mask = torch.zeros(1, 1, 1, 1)
+    assert row_groups._runnable("cudnn", one, one, None) == "flash"
+    assert row_groups._runnable("cudnn", one, one, mask) == "efficient"
+    assert row_groups._runnable("cudnn", one, two, None) == "cudnn"
+    assert row_groups._runnable("flash", one, one, None) == "flash"

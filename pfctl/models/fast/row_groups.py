@@ -205,11 +205,20 @@ def _kernel_state(kind: str, device: torch.device) -> tuple:
     return seed, offset
 
 
+def _runnable(kernel: str, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> str:
+    """``kernel``, or for a call cuDNN refuses (one query against one key: a one-token frame) the kernel the
+    other backend runs it on."""
+    if kernel == "cudnn" and q.shape[2] == 1 and k.shape[2] == 1:
+        return "flash" if mask is None else "efficient"
+    return kernel
+
+
 def _call_forward(
     kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One call's output ``[b, H, rows, hd]`` and log-sum-exp ``[b, H, rows]`` (float32); ``q [b, H, rows,
     hd]``, ``k, v [b, H, keys, hd]``, ``mask [b, 1, rows, keys]`` additive or None."""
+    kernel = _runnable(kernel, q, k, mask)
     if kernel == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask)
     if kernel == "flash":
@@ -229,6 +238,7 @@ def _call_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The gradients of one call of :func:`_call_forward` with respect to ``q, k, v``, from its output and
     log-sum-exp (each ``[b, H, rows, ...]``, views of the whole column's)."""
+    kernel = _runnable(kernel, q, k, mask)
     if kernel == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, out, lse, 0.0, False, attn_mask=mask
