@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite in one call (2x H200: single-GPU benchmarks on GPU 0, then the
 # 2-process sync-group run and the FSDP tests on both). Results: $OUT (or ./bench-out).
-# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,refgen768,gen768,gen768skip,gen768prof,attention,traingraphs,rowgroups,lowmem,fp8,refgen1,recipe384,graphtests,recipe768,warmupprof,recipe768prof,recipe768rowgroups,recipe768rows,recipe768kernels,trainattention,composetest,recipe384warm,gen2gpu,lowmem768]
+# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,refgen768,gen768,gen768skip,gen768prof,attention,traingraphs,rowgroups,lowmem,fp8,refgen1,recipe384,graphtests,recipe768,warmupprof,recipe768prof,recipe768rowgroups,recipe768rows,recipe768kernels,trainattention,composetest,rowgrouptests,recipe384warm,gen2gpu,lowmem768]
 # (LAYOUTS=channels_last_unfused,channels_last picks the VAE layouts the vae steps time)
 # (TRAIN_VARIANTS=efficient,efficient+compile+skip picks the pfctl variants the trainvariants step times)
 # (reference: needs a Pyramid-Flow checkout in third_party/Pyramid-Flow and einops; not in the default list)
@@ -177,6 +177,12 @@ case ",$STEPS," in *,composetest,*)
   # session 21: 190 s a strategy, nearly all of it Dynamo's symbolic-shape reasoning (sympy) in the first trace
   echo "=== CUDA test: activation checkpointing + compiled blocks + FSDP2 against eager (GPU $GPU; ~7 min)"
   CUDA_VISIBLE_DEVICES=$GPU timeout 560 python -m pytest -q -p no:cacheprovider tests/unit/test_dit_compile.py -k compose_on_cuda --durations=3 2>&1 | tee -a "$OUT/suite.log" | tail -40;;
+esac
+case ",$STEPS," in *,rowgrouptests,*)
+  # session 32: the row groups' training operator on CUDA, and the 768p recipe's speed settings in miniature
+  # (compiled, checkpointed row groups on cuDNN) against the eager path
+  echo "=== CUDA tests: the row groups' training operator and compiled row groups on cuDNN (GPU $GPU; ~3 min)"
+  CUDA_VISIBLE_DEVICES=$GPU timeout 560 python -m pytest -q -p no:cacheprovider tests/unit/test_row_group_operator.py tests/integration/test_train_single.py -k "operator or cudnn" --durations=3 2>&1 | tee -a "$OUT/suite.log" | tail -12;;
 esac
 case ",$STEPS," in *,gen2gpu,*)
   # issue 29: one video on 1 and 2 GPUs (CFG halves on two ranks), 768p then 384p (~6 min on 2 GPUs)
