@@ -203,15 +203,22 @@ def row_group_calls(row_groups: Sequence[RowGroup], first: int = 0) -> list[RowG
         if key_starts is None:
             calls.append(RowGroupCall(slice(None), slice(a - first, b - first), slice(0, b), slice(a, b)))
             continue
-        item = 0
-        for start, run in itertools.groupby(key_starts):
-            count = len(list(run))
-            items = slice(None) if count == len(key_starts) else slice(item, item + count)
+        for items, start in key_start_runs(key_starts):
             for lo, hi, keys in ((a, min(start, b), slice(0, start)), (max(a, start), b, slice(start, b))):
                 if lo < hi:  # the text padding's rows (first group only), then the valid rows
                     calls.append(RowGroupCall(items, slice(lo - first, hi - first), keys, None))
-            item += count
     return calls
+
+
+def key_start_runs(key_starts: Sequence[int]) -> list[tuple[slice, int]]:
+    """The runs of items with the same key start, in order: each run's items (``slice(None)`` for one run of
+    them all) and its start."""
+    runs, item = [], 0
+    for start, run in itertools.groupby(key_starts):
+        count = len(list(run))
+        runs.append((slice(None) if count == len(key_starts) else slice(item, item + count), start))
+        item += count
+    return runs
 
 
 def whole_item_rows(calls: Sequence[RowGroupCall]) -> list[int] | None:

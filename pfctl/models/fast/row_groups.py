@@ -25,7 +25,6 @@ float rounding of the kernels.
 from __future__ import annotations
 
 import functools
-import itertools
 from typing import Any, NamedTuple
 
 import torch
@@ -37,6 +36,7 @@ from pfctl.models.attention_layout import (
     RowGroupCall,
     by_call,
     from_calls,
+    key_start_runs,
     masked_attention,
     row_group_calls,
     table_text_len,
@@ -117,16 +117,11 @@ def _split_calls(
             if call.rows.start < end:
                 calls.append(call._replace(rows=slice(call.rows.start, end)))
                 splits.append(None)
-        text, item = [], 0
-        for start, run in itertools.groupby(starts):
-            count = len(list(run))
-            items = slice(None) if count == len(starts) else slice(item, item + count)
-            if start < text_len:  # an item without valid text sees the image keys only
-                text.append((items, slice(start, text_len)))
-            item += count
+        # an item without valid text sees the image keys only
+        text = tuple((items, slice(start, text_len)) for items, start in key_start_runs(starts) if start < text_len)
         lo = max(a, first, text_len)
         calls.append(RowGroupCall(slice(None), slice(lo - first, b - first), slice(text_len, b), None))
-        splits.append(_Split(tuple(text)))
+        splits.append(_Split(text))
     return calls, splits
 
 
