@@ -173,6 +173,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --host-profile: the warm-up steps after which a phase of its own ends (e.g. 8: each input's "
         "first occurrence on one GPU, before the recordings)",
     )
+    parser.add_argument(
+        "--profile-step",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run step N (1-based, e.g. a warm-up step that meets a new input) under the profiler and print its "
+        "top operators by GPU and by host time",
+    )
     parser.add_argument("--no-checkpoint", action="store_true", help="skip the timed checkpoint save")
     parser.add_argument(
         "--inductor",
@@ -228,6 +236,7 @@ class Setting:
     warmup: int
     progress: bool = False
     phase_ends: tuple[int, ...] = ()  # --host-phase-ends
+    profile_step: int = 0  # --profile-step
 
 
 def plan_setting(args: argparse.Namespace, world: int) -> tuple[Any, Setting]:
@@ -279,7 +288,9 @@ def plan_setting(args: argparse.Namespace, world: int) -> tuple[Any, Setting]:
     config = load_config(args.recipe, [*overrides, *args.overrides])
     progress = args.progress and int(os.environ.get("RANK", "0")) == 0
     ends = tuple(int(end) for end in args.host_phase_ends.split(",") if end)
-    return config, Setting(cuda, frames, height, width, 128 if cuda else 8, steps, warmup, progress, ends)
+    return config, Setting(
+        cuda, frames, height, width, 128 if cuda else 8, steps, warmup, progress, ends, args.profile_step
+    )
 
 
 def dit_dims(config: Any) -> dict[str, Any]:
@@ -410,6 +421,8 @@ def run_step(
     tic = time.perf_counter()
     if cuda and i == setting.warmup - 1:  # the last warm-up step counts the host's waits for the GPU
         metrics, out.syncs = counting_syncs(trainer.train_step)
+    elif i + 1 == setting.profile_step:
+        metrics = profile_step(trainer, cuda)
     else:
         metrics = trainer.train_step()
     trainer.losses.append(metrics["loss"])
@@ -482,14 +495,16 @@ def step_phase(index: int, warmup: int, ends: tuple[int, ...] = ()) -> str:
     return f"steps {start}-{end} (warm-up)"
 
 
-def profile_step(trainer: Any, cuda: bool) -> None:
+def profile_step(trainer: Any, cuda: bool) -> dict:
+    """One ``train_step`` under the profiler: the top operators by GPU and by host time, the GPU's busy share;
+    returns the step's metrics."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         tic = time.perf_counter()
-        trainer.train_step()
+        metrics = trainer.train_step()
         if cuda:
             torch.cuda.synchronize()
         wall_s = time.perf_counter() - tic
@@ -501,6 +516,7 @@ def profile_step(trainer: Any, cuda: bool) -> None:
 
         busy_s = gpu_busy_seconds(prof.events())
         print(f"profiled step: {wall_s:.3f} s, the GPU busy {busy_s:.3f} s of it ({busy_s / wall_s:.0%})")
+    return metrics
 
 
 def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tuple[str, str]]:
