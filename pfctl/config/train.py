@@ -226,6 +226,13 @@ class TrainConfig(Section):
     is recorded once, so the warm-up grows with the number of inputs a rank builds (the log lists them).
     Held-out losses and validation samples run the blocks eagerly. ``true`` refuses gradient checkpointing
     and FSDP over several processes."""
+    compile_cache: bool = True
+    """With compiled blocks: what the compiler built (graphs, generated kernels, tuning results) is saved to
+    ``<output_dir>/compile-cache.bin`` when the warm-up ends, and loaded when a run starts on that output
+    directory, so a resumed run on another machine skips the compilation a cold start pays (its first step
+    and time to steady: ``benchmarks/RESULTS.md``). Written by the main process; loaded only when PyTorch,
+    Triton and the GPU model match its record (``compile-cache.json``), else compiled afresh. The file is
+    compiled code: copy it only between your own runs."""
     gc_every: int = Field(default=50, ge=0)
     """Python's cyclic garbage collection during training: its automatic passes off, everything collected
     once when the warm-up ends and the young objects every N steps (torchtitan's ``gc_freq``), so no pass over

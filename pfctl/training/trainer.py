@@ -200,8 +200,10 @@ class Trainer:
 
         tokens, samples = totals[-3], totals[-2]
         self.tokens_seen += int(tokens)
-        if self.warmup is not None:
+        if self.warmup is not None and not self.warmup.done:
             self.warmup.after_step(self.step, time.perf_counter())
+            if self.warmup.done:
+                self.save_compile_cache()
         self.collector.after_step(self.step, warm=self.warmup is None or self.warmup.done)
         seconds = time.perf_counter() - tic
         return self.step_metrics(seconds, tokens) | {
@@ -541,7 +543,8 @@ class Trainer:
             start_trackers(rt.accelerator, cfg, self.out, flat_config(cfg), resume_step)
 
     def setup_warmup(self) -> None:
-        """With compiled blocks: the warm-up's inputs announced, and its end logged (:class:`WarmupWatch`)."""
+        """With compiled blocks: the warm-up's inputs announced, and its end logged (:class:`WarmupWatch`); the
+        compiler's artifacts of an earlier run on this output directory loaded (``train.compile_cache``)."""
         if self.cfg.compile is not True:  # (settled: CUDA only)
             return
         heldout = {c.id for c in self.data.heldout}
@@ -549,6 +552,26 @@ class Trainer:
         expected = token_count_sets(self.cfg, self.runtime.rank, clips)
         self.warmup = WarmupWatch(expected, need=2 if self.graphed else 1)
         self.warmup.announce()
+        if self.cfg.compile_cache:
+            from pfctl.models.fast.compile_cache import load_compile_cache
+
+            loaded, line = load_compile_cache(self.out, self.runtime.device)
+            if line is not None:
+                (pflog.log if loaded else pflog.warn)(line)
+
+    def save_compile_cache(self) -> None:
+        """The compiler's artifacts of this run beside its checkpoints (``train.compile_cache``; main process),
+        once the warm-up has compiled what the run needs."""
+        if self.cfg.compile_cache and self.runtime.is_main:
+            from pfctl.models.fast.compile_cache import save_compile_cache
+
+            try:
+                line = save_compile_cache(self.out, self.runtime.device, self.step)
+            except Exception as exc:  # an optional cache never stops a run (a full disk, PyTorch's own error)
+                pflog.warn(f"compile cache not saved: {type(exc).__name__}: {exc}")
+                return
+            if line is not None:
+                pflog.log(line)
 
     def resume(self) -> Path | None:
         """Restore optimizer, LR schedule, EMA, counters, data position and RNGs (weights: in setup)."""

@@ -1,0 +1,114 @@
+"""The compiler's work kept beside a run: ``torch.compiler``'s cache artifacts in one file.
+
+A cold start compiles every block graph (forward and backward), generates and tunes their kernels; a process
+on a machine whose caches are warm skips most of it. :func:`save_compile_cache` writes what this process
+compiled or loaded (PyTorch's "mega-cache": the AOTAutograd and Inductor graph caches with their Triton
+kernels and tuning results) to a file, and :func:`load_compile_cache` puts a file's artifacts into this
+machine's caches before the first compilation, so the compiled blocks hit them. The record beside it names
+what wrote it (PyTorch, Triton, GPU model) and the file's SHA-256; a file from another setup or a damaged one
+is left unloaded and said so, and the run compiles as if there were none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pfctl.utils.io import atomic_write_bytes, atomic_write_json, sha256_file
+
+__all__ = ["CompileCacheFiles", "compile_cache_identity", "load_compile_cache", "save_compile_cache"]
+
+
+@dataclass(frozen=True)
+class CompileCacheFiles:
+    """The artifacts file and its record, in ``directory``."""
+
+    directory: Path
+
+    @property
+    def artifacts(self) -> Path:
+        return self.directory / "compile-cache.bin"
+
+    @property
+    def record(self) -> Path:
+        return self.directory / "compile-cache.json"
+
+
+def compile_cache_identity(device: torch.device) -> dict[str, str | None]:
+    """What a cache's artifacts depend on beyond their own keys: PyTorch, Triton and the GPU model."""
+    try:
+        import triton
+
+        triton_version: str | None = triton.__version__
+    except ImportError:
+        triton_version = None
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {"torch": torch.__version__, "triton": triton_version, "device": gpu or device.type}
+
+
+def save_compile_cache(directory: str | Path, device: torch.device, step: int) -> str | None:
+    """Write this process's cache artifacts to ``directory`` (the artifacts first, then their record, each
+    atomically: a killed write leaves the previous pair or a record whose hash the new file fails). Returns
+    the log line, or None when nothing was compiled."""
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None:
+        return None
+    blob, info = saved
+    files = CompileCacheFiles(Path(directory))
+    counts = {kind: len(keys) for kind, keys in info.artifacts.items() if keys}
+    digest = hashlib.sha256(blob).hexdigest()
+    if files.artifacts.is_file() and _read_record(files).get("sha256") == digest == sha256_file(files.artifacts):
+        return f"compile cache unchanged: {_describe(counts)} in {files.artifacts}"
+    atomic_write_bytes(files.artifacts, blob)
+    record = {
+        **compile_cache_identity(device),
+        "sha256": digest,
+        "bytes": len(blob),
+        "artifacts": counts,
+        "step": step,
+    }
+    atomic_write_json(files.record, record)
+    return f"compile cache saved: {_describe(counts)}, {len(blob) / 2**20:.1f} MiB -> {files.artifacts}"
+
+
+def load_compile_cache(directory: str | Path, device: torch.device) -> tuple[bool, str | None]:
+    """Load ``directory``'s cache artifacts into this machine's compiler caches. Returns whether it did and the
+    line to log (None: there is no cache there)."""
+    files = CompileCacheFiles(Path(directory))
+    if not files.record.is_file():
+        return False, None
+    record = _read_record(files)
+    if not record:
+        return False, f"compile cache not loaded: {files.record} is unreadable; compiling afresh"
+    here = compile_cache_identity(device)
+    differ = [f"{key} {record.get(key)} (here {value})" for key, value in here.items() if record.get(key) != value]
+    if differ:
+        return False, f"compile cache not loaded: written with {', '.join(differ)}; compiling afresh"
+    if not files.artifacts.is_file() or sha256_file(files.artifacts) != record.get("sha256"):
+        return False, f"compile cache not loaded: {files.artifacts} is missing or damaged; compiling afresh"
+    try:
+        info = torch.compiler.load_cache_artifacts(files.artifacts.read_bytes())
+    except Exception as exc:  # a cache must never stop a run: PyTorch raises what its own format check finds
+        return False, f"compile cache not loaded: {type(exc).__name__}: {exc}; compiling afresh"
+    if info is None:  # PyTorch's own check of the format failed (it logged why)
+        return False, f"compile cache not loaded: PyTorch could not read {files.artifacts}; compiling afresh"
+    counts = {kind: len(keys) for kind, keys in info.artifacts.items() if keys}
+    return True, f"compile cache loaded: {_describe(counts)} from {files.artifacts}"
+
+
+def _read_record(files: CompileCacheFiles) -> dict[str, Any]:
+    """The record's fields; empty where it is missing or not a JSON object."""
+    try:
+        record = json.loads(files.record.read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _describe(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items())) or "no artifacts"

@@ -1,0 +1,116 @@
+"""The compiler's artifacts kept beside a run (``train.compile_cache``, :mod:`pfctl.models.fast.compile_cache`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pfctl.models.fast.compile_cache import CompileCacheFiles, compile_cache_identity, load_compile_cache
+from pfctl.utils.io import current_umask, sha256_file
+
+# One process compiles a small function with Inductor (CPU code), saves the artifacts twice, and prints the
+# two log lines and its compiler counters; run with "load" it loads them first into its own empty caches.
+_COMPILE = """
+import json, sys
+import torch
+from torch._dynamo.utils import counters
+from pfctl.models.fast.compile_cache import load_compile_cache, save_compile_cache
+
+mode, directory = sys.argv[1], sys.argv[2]
+lines = []
+if mode == "load":
+    lines.append(load_compile_cache(directory, torch.device("cpu")))
+f = torch.compile(lambda x: torch.nn.functional.gelu(x * 3.0).sum(-1), backend="inductor", dynamic=False)
+with torch.no_grad():
+    f(torch.randn(4, 8))
+if mode == "save":
+    lines += [save_compile_cache(directory, torch.device("cpu"), step=7) for _ in range(2)]
+print(json.dumps({"lines": lines, "inductor": dict(counters["inductor"])}))
+"""
+
+
+def _compile(mode: str, directory: Path, inductor_cache: Path) -> dict:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(sys.path),
+        "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache),
+        "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE": "0",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE, mode, str(directory)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_saved_artifacts_make_a_process_with_empty_caches_skip_the_compilation(tmp_path: Path) -> None:
+    """What a resumed run on another machine gets: a process whose compiler caches are empty loads the file
+    the first run wrote and compiles nothing (every graph a cache hit). The record names what wrote it."""
+    run = tmp_path / "run"
+    first = _compile("save", run, tmp_path / "machine-a")
+    assert first["inductor"].get("fxgraph_cache_miss", 0) >= 1  # it did compile
+    saved, again = first["lines"]
+    assert saved.startswith("compile cache saved:") and "inductor" in saved
+    assert again.startswith("compile cache unchanged:")  # the same artifacts are not written twice
+
+    files = CompileCacheFiles(run)
+    record = json.loads(files.record.read_text())
+    assert record["sha256"] == sha256_file(files.artifacts)
+    assert record["bytes"] == files.artifacts.stat().st_size and record["step"] == 7
+    assert {k: record[k] for k in ("torch", "triton", "device")} == compile_cache_identity(torch.device("cpu"))
+    for path in (files.artifacts, files.record):  # as a plain open() would create them
+        assert path.stat().st_mode & 0o777 == 0o666 & ~current_umask()
+
+    second = _compile("load", run, tmp_path / "machine-b")
+    [(loaded, line)] = second["lines"]
+    assert loaded and line.startswith("compile cache loaded:")
+    assert second["inductor"].get("fxgraph_cache_miss", 0) == 0
+    assert second["inductor"].get("fxgraph_cache_hit", 0) >= 1
+
+
+def _write_cache(directory: Path, blob: bytes, **record: object) -> CompileCacheFiles:
+    files = CompileCacheFiles(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    files.artifacts.write_bytes(blob)
+    identity = compile_cache_identity(torch.device("cpu"))
+    files.record.write_text(json.dumps({**identity, "sha256": sha256_file(files.artifacts), **record}))
+    return files
+
+
+def test_no_cache_is_no_message(tmp_path: Path) -> None:
+    assert load_compile_cache(tmp_path, torch.device("cpu")) == (False, None)
+
+
+def test_a_cache_written_by_another_setup_is_not_loaded(tmp_path: Path) -> None:
+    _write_cache(tmp_path, b"artifacts", torch="1.0.0")
+    loaded, line = load_compile_cache(tmp_path, torch.device("cpu"))
+    assert not loaded
+    assert "torch 1.0.0" in line and f"here {torch.__version__}" in line and "compiling afresh" in line
+
+
+@pytest.mark.parametrize("damage", ["artifacts changed", "artifacts missing", "record unreadable"])
+def test_a_damaged_cache_is_not_loaded_and_the_run_goes_on(tmp_path: Path, damage: str) -> None:
+    files = _write_cache(tmp_path, b"artifacts")
+    if damage == "artifacts changed":
+        files.artifacts.write_bytes(b"artifactz")
+    elif damage == "artifacts missing":
+        files.artifacts.unlink()
+    else:
+        files.record.write_text("{not json")
+    loaded, line = load_compile_cache(tmp_path, torch.device("cpu"))
+    assert not loaded and "compiling afresh" in line
+    assert ("unreadable" if damage == "record unreadable" else "missing or damaged") in line
+
+
+def test_artifacts_pytorch_cannot_read_are_not_loaded(tmp_path: Path) -> None:
+    """A file whose record matches but whose content is not PyTorch's format: refused, never a crash."""
+    _write_cache(tmp_path, b"\x00 not a cache")
+    loaded, line = load_compile_cache(tmp_path, torch.device("cpu"))
+    assert not loaded and line.startswith("compile cache not loaded:")
