@@ -42,6 +42,8 @@ What it prints (per process, the slowest / the mean over processes):
         --inductor triton.slow_path_cudagraph_asserts=False             # a warm-up experiment
     python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --host-profile 15
                                                                         # where the warm-up's host time goes
+    python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --warmup 4 --steps 1 \
+        --profile-step 3                                                # the operators of a step meeting new inputs
 """
 
 from __future__ import annotations
