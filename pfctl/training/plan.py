@@ -292,6 +292,10 @@ def speed_note(train: TrainConfig, world_size: int, clips: list[ClipInfo]) -> st
     note = f"on CUDA with {world_size} process(es): {speed.describe()}"
     if speed.compile:
         note += f"; warm-up: {len(token_count_sets(train, 0, clips))} distinct inputs on rank 0"
+        if train.compile_cache:
+            from pfctl.models.fast.compile_cache import describe_compile_cache
+
+            note += f"; {describe_compile_cache(train.output_dir)}"
     return note + " (the CPU runs eager blocks)"
 
 

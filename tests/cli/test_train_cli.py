@@ -101,6 +101,18 @@ def test_dry_run_prints_the_plan(cache: Path) -> None:
     assert "warm-up:4distinctinputsonrank0" in flat
 
 
+def test_dry_run_says_whether_a_compile_cache_waits_in_the_output_directory(cache: Path, tmp_path: Path) -> None:
+    args = ["--dry-run", "--plan-steps", "1", "--set", f"train.cache={cache}", "--set", "model.dit_preset=tiny",
+            "--set", "train.max_units=4", "--set", f"train.output_dir={tmp_path}"]  # fmt: skip
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    assert "nocompilecacheyet" in "".join(result.output.split())
+    (tmp_path / "compile-cache.json").write_text('{"torch": "2.11.0", "triton": "3.6.0", "device": "H200", "step": 16}')
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    assert "(torch2.11.0,triton3.6.0,deviceH200;writtenatstep16)" in "".join(result.output.split())
+
+
 def test_dry_run_without_a_model_or_cache_says_what_to_set(cache: Path, tmp_path: Path) -> None:
     result = invoke("--dry-run", "--set", f"train.cache={cache}")
     assert result.exit_code == 2 and "model.dit_preset" in result.output

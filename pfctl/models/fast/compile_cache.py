@@ -21,7 +21,13 @@ import torch
 
 from pfctl.utils.io import atomic_write_bytes, atomic_write_json, sha256_file
 
-__all__ = ["CompileCacheFiles", "compile_cache_identity", "load_compile_cache", "save_compile_cache"]
+__all__ = [
+    "CompileCacheFiles",
+    "compile_cache_identity",
+    "describe_compile_cache",
+    "load_compile_cache",
+    "save_compile_cache",
+]
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,16 @@ def load_compile_cache(directory: str | Path, device: torch.device) -> tuple[boo
         return False, f"compile cache not loaded: PyTorch could not read {files.artifacts}; compiling afresh"
     counts = {kind: len(keys) for kind, keys in info.artifacts.items() if keys}
     return True, f"compile cache loaded: {_describe(counts)} from {files.artifacts}"
+
+
+def describe_compile_cache(directory: str | Path) -> str:
+    """What ``directory`` holds for a run to load (``pfctl train --dry-run``): the record's setup and step."""
+    files = CompileCacheFiles(Path(directory))
+    record = _read_record(files)
+    if not record:
+        return "no compile cache yet (saved when the warm-up ends)"
+    setup = ", ".join(f"{key} {record.get(key)}" for key in ("torch", "triton", "device"))
+    return f"compile cache {files.artifacts} ({setup}; written at step {record.get('step')})"
 
 
 def _read_record(files: CompileCacheFiles) -> dict[str, Any]:
