@@ -95,37 +95,3 @@ def format_metrics(m: dict[str, Any], max_steps: int) -> str:
         + ("  [skipped]" if m.get("skipped") else "")
     )
 
-
-class WarmupWatch:
-    """The warm-up of compiled blocks in the log: at the start, the distinct inputs this rank will build
-    (:func:`pfctl.training.plan.token_count_sets`); when each has been met ``need`` times (1: compiled at its
-    first forward; 2: with CUDA graphs, recorded at its second), how long that took from the first step."""
-
-    def __init__(self, expected: dict[tuple[Any, ...], tuple[int, ...]], need: int) -> None:
-        self.expected, self.need = expected, need
-        self.seen: dict[tuple[Any, ...], int] = {}
-        self.started: float | None = None
-        self.done = not expected
-
-    def announce(self) -> None:
-        counts = sorted({sum(tokens) for tokens in self.expected.values()})
-        what = "compiled and recorded as CUDA graphs" if self.need > 1 else "compiled"
-        pflog.log(
-            f"warm-up: {len(self.expected)} distinct inputs per rank, each {what} once "
-            f"(image tokens per micro-batch: {', '.join(map(str, counts))})"
-        )
-
-    def saw(self, bucket: Any, units: Any, now: float) -> None:
-        """One forward on ``bucket`` with ``units`` (the keys of ``expected``), at time ``now``."""
-        if self.started is None:
-            self.started = now
-        key = (tuple(bucket), None if units is None else tuple(units))
-        self.seen[key] = self.seen.get(key, 0) + 1
-
-    def after_step(self, step: int, now: float) -> None:
-        """Log once, after the step in which the last expected input was met ``need`` times."""
-        if self.done or self.started is None:
-            return
-        if all(self.seen.get(key, 0) >= self.need for key in self.expected):
-            self.done = True
-            pflog.log(f"warm-up over at step {step}: {now - self.started:.1f} s from the first step")

@@ -61,11 +61,12 @@ from pfctl.training.data import (
 )
 from pfctl.training.ema import EMA
 from pfctl.training.evaluate import ValidationSamples, sample_validation
-from pfctl.training.logs import RunLogs, WarmupWatch, mfu, peak_flops
+from pfctl.training.logs import RunLogs, mfu, peak_flops
 from pfctl.training.optim import build_lr_scheduler, build_optimizer, restore_lr_scheduler
 from pfctl.training.plan import check_cache_buckets, measured_assignment, token_count_sets
 from pfctl.training.summary import write_summary
 from pfctl.training.trackers import flat_config, log_validation, start_trackers
+from pfctl.training.warmup import CompileCacheSite, WarmupWatch
 from pfctl.training.weights import trained_weights
 from pfctl.utils.io import atomic_write_text
 
@@ -200,10 +201,8 @@ class Trainer:
 
         tokens, samples = totals[-3], totals[-2]
         self.tokens_seen += int(tokens)
-        if self.warmup is not None and not self.warmup.done:
+        if self.warmup is not None:
             self.warmup.after_step(self.step, time.perf_counter())
-            if self.warmup.done:
-                self.save_compile_cache()
         self.collector.after_step(self.step, warm=self.warmup is None or self.warmup.done)
         seconds = time.perf_counter() - tic
         return self.step_metrics(seconds, tokens) | {
@@ -550,28 +549,10 @@ class Trainer:
         heldout = {c.id for c in self.data.heldout}
         clips = [c for c in cache_clips(self.data.cache) if c.id not in heldout]
         expected = token_count_sets(self.cfg, self.runtime.rank, clips)
-        self.warmup = WarmupWatch(expected, need=2 if self.graphed else 1)
-        self.warmup.announce()
-        if self.cfg.compile_cache:
-            from pfctl.models.fast.compile_cache import load_compile_cache
-
-            loaded, line = load_compile_cache(self.out, self.runtime.device)
-            if line is not None:
-                (pflog.log if loaded else pflog.warn)(line)
-
-    def save_compile_cache(self) -> None:
-        """The compiler's artifacts of this run beside its checkpoints (``train.compile_cache``; main process),
-        once the warm-up has compiled what the run needs."""
-        if self.cfg.compile_cache and self.runtime.is_main:
-            from pfctl.models.fast.compile_cache import save_compile_cache
-
-            try:
-                line = save_compile_cache(self.out, self.runtime.device, self.step)
-            except Exception as exc:  # an optional cache never stops a run (a full disk, PyTorch's own error)
-                pflog.warn(f"compile cache not saved: {type(exc).__name__}: {exc}")
-                return
-            if line is not None:
-                pflog.log(line)
+        rt = self.runtime
+        cache = CompileCacheSite(self.out, rt.device, writes=rt.is_main) if self.cfg.compile_cache else None
+        self.warmup = WarmupWatch(expected, need=2 if self.graphed else 1, cache=cache)
+        self.warmup.start()
 
     def resume(self) -> Path | None:
         """Restore optimizer, LR schedule, EMA, counters, data position and RNGs (weights: in setup)."""

@@ -114,3 +114,41 @@ def test_artifacts_pytorch_cannot_read_are_not_loaded(tmp_path: Path) -> None:
     _write_cache(tmp_path, b"\x00 not a cache")
     loaded, line = load_compile_cache(tmp_path, torch.device("cpu"))
     assert not loaded and line.startswith("compile cache not loaded:")
+
+
+def test_the_warm_up_loads_the_cache_first_and_saves_it_once_when_over(tmp_path: Path, monkeypatch) -> None:
+    """The trainer's wiring (:class:`pfctl.training.warmup.WarmupWatch`): artifacts loaded before the first
+    step, this run's saved once, by the writing process only, after the step that completes the warm-up; a
+    failing save is a warning, not the end of the run."""
+    from pfctl.models.fast import compile_cache
+    from pfctl.runtime import logging as pflog
+    from pfctl.training.warmup import CompileCacheSite, WarmupWatch
+
+    said: list[str] = []
+    monkeypatch.setattr(pflog, "log", lambda message, **_: said.append(message))
+    monkeypatch.setattr(pflog, "warn", lambda message: said.append("warn: " + message))
+    monkeypatch.setattr(compile_cache, "load_compile_cache", lambda d, dev: (True, f"loaded {d}"))
+    saves: list[int] = []
+    monkeypatch.setattr(compile_cache, "save_compile_cache", lambda d, dev, step: saves.append(step) or "saved")
+    expected = {((8, 8, 2), (1,)): (64,), ((8, 8, 2), (2,)): (128,)}
+
+    def run(writes: bool) -> None:
+        watch = WarmupWatch(expected, need=2, cache=CompileCacheSite(tmp_path, torch.device("cpu"), writes))
+        watch.start()
+        assert said[-1] == f"loaded {tmp_path}"
+        for step, units in enumerate([(1,), (2,), (1,), (2,), (1,)], start=1):
+            watch.saw((8, 8, 2), units, now=float(step))
+            watch.after_step(step, now=float(step))
+
+    run(writes=True)
+    assert saves == [4]  # the step in which each input was met twice; not again at step 5
+    assert said[-1] == "saved" and said[-2].startswith("warm-up over at step 4")
+    run(writes=False)  # another rank: loads, never writes
+    assert saves == [4]
+
+    def full_disk(d, dev, step):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(compile_cache, "save_compile_cache", full_disk)
+    run(writes=True)
+    assert said[-1] == "warn: compile cache not saved: OSError: [Errno 28] No space left on device"
