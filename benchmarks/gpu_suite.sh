@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite in one call (2x H200: single-GPU benchmarks on GPU 0, then the
 # 2-process sync-group run and the FSDP tests on both). Results: $OUT (or ./bench-out).
-# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,refgen768,gen768,gen768skip,gen768prof,attention,traingraphs,rowgroups,lowmem,fp8,refgen1,recipe384,graphtests,recipe768,warmupprof,recipe768prof,recipe768rowgroups,recipe768rows,recipe768kernels,trainattention,composetest,rowgrouptests,recipe384warm,gen2gpu,lowmem768]
+# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,refgen768,gen768,gen768skip,gen768prof,attention,traingraphs,rowgroups,lowmem,fp8,refgen1,recipe384,graphtests,recipe768,warmupprof,recipe768prof,recipe768rowgroups,recipe768rows,recipe768kernels,trainattention,composetest,rowgrouptests,recipe384warm,recipe384cache,gen2gpu,lowmem768]
 # (LAYOUTS=channels_last_unfused,channels_last picks the VAE layouts the vae steps time)
 # (TRAIN_VARIANTS=efficient,efficient+compile+skip picks the pfctl variants the trainvariants step times)
 # (reference: needs a Pyramid-Flow checkout in third_party/Pyramid-Flow and einops; not in the default list)
@@ -198,4 +198,15 @@ case ",$STEPS," in *,recipe384warm,*)
     echo "=== the 384p recipe on one GPU, $run compile caches (GPU $GPU)"
     CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --warmup 16 --steps 4 --progress --no-checkpoint --compile-times --json "$OUT/recipe384_$run.json" 2>&1 | tee -a "$OUT/suite.log" | grep -E "^(bench step|warm-up|steady|time to|first|image tokens/s|MFU|peak|Python GC|compile caches|AOTAutograd cache|_compile.compile_inner|bytecode_tracing|aot_trace|create_aot|Scheduler.codegen|CUDAGraphNode)" | tail -45
   done;;
+esac
+case ",$STEPS," in *,recipe384cache,*)
+  # the 384p recipe twice with one output directory, each run on compile caches of its own (empty at its
+  # start): the second has only the first run's OUTPUT/compile-cache.bin, as a resumed run on another machine
+  # (~5 min)
+  run_dir=$(mktemp -d)
+  for run in cold file; do
+    echo "=== the 384p recipe on one GPU, $run (GPU $GPU)"
+    TORCHINDUCTOR_CACHE_DIR="$run_dir/inductor-$run" TRITON_CACHE_DIR="$run_dir/triton-$run" CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --warmup 16 --steps 8 --progress --no-checkpoint --compile-times --set train.output_dir="$run_dir/out" --json "$OUT/recipe384_cache_$run.json" 2>&1 | tee -a "$OUT/suite.log" | grep -E "^(compile cache|warm-up|steady|time to|image tokens/s|MFU|compile caches)" | tail -12
+  done
+  rm -rf "$run_dir";;
 esac
