@@ -26,7 +26,7 @@ mode, directory = sys.argv[1], sys.argv[2]
 lines = []
 if mode == "load":
     lines.append(load_compile_cache(directory, torch.device("cpu")))
-f = torch.compile(lambda x: torch.nn.functional.gelu(x * 3.0).sum(-1), backend="inductor", dynamic=False)
+f = torch.compile(lambda x: x @ x.t(), backend="inductor", dynamic=False)  # one library call: no C++ to build
 with torch.no_grad():
     f(torch.randn(4, 8))
 if mode == "save":
