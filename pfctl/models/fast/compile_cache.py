@@ -66,7 +66,7 @@ def save_compile_cache(directory: str | Path, device: torch.device, step: int) -
         return None
     blob, info = saved
     files = CompileCacheFiles(Path(directory))
-    counts = {kind: len(keys) for kind, keys in info.artifacts.items() if keys}
+    counts = _counts(info)
     digest = hashlib.sha256(blob).hexdigest()
     if files.artifacts.is_file() and _read_record(files).get("sha256") == digest == sha256_file(files.artifacts):
         return f"compile cache unchanged: {_describe(counts)} in {files.artifacts}"
@@ -95,16 +95,19 @@ def load_compile_cache(directory: str | Path, device: torch.device) -> tuple[boo
     differ = [f"{key} {record.get(key)} (here {value})" for key, value in here.items() if record.get(key) != value]
     if differ:
         return False, f"compile cache not loaded: written with {', '.join(differ)}; compiling afresh"
-    if not files.artifacts.is_file() or sha256_file(files.artifacts) != record.get("sha256"):
+    try:
+        blob = files.artifacts.read_bytes()
+    except OSError:
+        blob = None
+    if blob is None or hashlib.sha256(blob).hexdigest() != record.get("sha256"):
         return False, f"compile cache not loaded: {files.artifacts} is missing or damaged; compiling afresh"
     try:
-        info = torch.compiler.load_cache_artifacts(files.artifacts.read_bytes())
+        info = torch.compiler.load_cache_artifacts(blob)
     except Exception as exc:  # a cache must never stop a run: PyTorch raises what its own format check finds
         return False, f"compile cache not loaded: {type(exc).__name__}: {exc}; compiling afresh"
     if info is None:  # PyTorch's own check of the format failed (it logged why)
         return False, f"compile cache not loaded: PyTorch could not read {files.artifacts}; compiling afresh"
-    counts = {kind: len(keys) for kind, keys in info.artifacts.items() if keys}
-    return True, f"compile cache loaded: {_describe(counts)} from {files.artifacts}"
+    return True, f"compile cache loaded: {_describe(_counts(info))} from {files.artifacts}"
 
 
 def describe_compile_cache(directory: str | Path) -> str:
@@ -124,6 +127,11 @@ def _read_record(files: CompileCacheFiles) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return record if isinstance(record, dict) else {}
+
+
+def _counts(info: Any) -> dict[str, int]:
+    """How many artifacts of each kind a ``torch.compiler`` cache info lists."""
+    return {kind: len(keys) for kind, keys in info.artifacts.items() if keys}
 
 
 def _describe(counts: dict[str, int]) -> str:
