@@ -4,7 +4,9 @@
 Each comes with a mixin that :func:`pfctl.models.fast.apply_fast_paths` swaps into the modules' classes
 (``lean_autograd``): :class:`LeanRMSNorm` for ``RMSNorm``, :class:`LeanColumnModulation` for the blocks and
 the output norm, :class:`LeanRotation` for the attention modules. Under torch.compile the column products
-take the plain form (Inductor fuses it anyway; dynamo cannot trace ``out=`` into strided column slices).
+take the plain form (Inductor fuses it anyway; dynamo cannot trace ``out=`` into strided column slices), and
+so does the RMS norm: with torch 2.11 the blocks compiled around :class:`RMSNormFunction` computed the
+forward exactly but most gradients wrongly, with any backend (torch 2.13 traced it right).
 """
 
 from __future__ import annotations
@@ -174,9 +176,11 @@ class Rotary(torch.autograd.Function):
 
 
 class LeanRMSNorm:
-    """``RMSNorm`` through :class:`RMSNormFunction` (same forward, leaner backward)."""
+    """``RMSNorm`` through :class:`RMSNormFunction` (same forward, leaner backward) in eager mode."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return super().forward(x)
         return RMSNormFunction.apply(x, self.weight, self.eps)
 
 
