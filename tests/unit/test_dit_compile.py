@@ -4,7 +4,8 @@ compiled blocks composed with activation checkpointing and FSDP2."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -63,10 +64,74 @@ def test_compiled_blocks_train_like_eager_blocks() -> None:
         assert_rounding_close(results[1][1][name], grad, **SUMS, msg=name)
 
 
+@dataclass
+class _TrainingTrace:
+    """What Dynamo handed its backend over one training forward and backward of compiled blocks."""
+
+    graphs: list[torch.fx.GraphModule]
+    kinds: set[str]  # the model's block classes
+    fake_cache_lookups: tuple[int, int]  # FakeTensorMode cache hits and misses while it was traced
+
+
+def _trace_training_step(kind: str, stack: str) -> _TrainingTrace:
+    """One training step of compiled blocks (``stack``: ``compile``, or torchtitan's checkpointing, compile and
+    FSDP2 on a one-process group), traced with a backend that keeps the graphs and runs them as they are. The
+    fake-tensor cache is on when the blocks are compiled (PyTorch's default, back after)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pfctl.models.fast import FastPaths, apply_fast_paths
+    from pfctl.runtime.sharding import shard_model
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    model = build(kind, num_layers=2, **({"num_single_layers": 2} if kind == "flux" else {})).train()
+    torch._dynamo.reset()
+    ratio = 0.5 if stack == "torchtitan" else 0.0
+    paths = FastPaths(
+        PLAIN, checkpointing_ratio=ratio, compile=True, compile_backend=keep, independent_sizes=True
+    )
+    lone_group = stack == "torchtitan" and not torch.distributed.is_initialized()
+    before = FakeTensorMode.cache_info()
+    try:
+        with torch._dynamo.config.patch(fake_tensor_cache_enabled=True):
+            apply_fast_paths(model, paths)
+            if stack == "torchtitan":  # the 768p recipe's sharding, on a process group of this process alone
+                blocks = [b for _, b in model.blocks_in_order()]
+                shard_model(model, blocks, strategy="shard_grad_op", device=torch.device("cpu"))
+            sum(o.square().mean() for o in model(**inputs())).backward()
+    finally:
+        torch._dynamo.reset()
+        if lone_group:  # ranks forked by later tests must not inherit it
+            torch.distributed.destroy_process_group()
+    after = FakeTensorMode.cache_info()
+    kinds = {type(block).__name__ for _, block in model.blocks_in_order()}
+    return _TrainingTrace(graphs, kinds, (after.hits - before.hits, after.misses - before.misses))
+
+
+@pytest.fixture(scope="module")
+def training_traces() -> Callable[[str, str], _TrainingTrace]:
+    """:func:`_trace_training_step` once per ``(kind, stack)`` in this module: the tests below assert different
+    things about the same traced step (how many graphs, what they take, how they were traced)."""
+    traces: dict[tuple[str, str], _TrainingTrace] = {}
+
+    def trace(kind: str, stack: str) -> _TrainingTrace:
+        if (kind, stack) not in traces:
+            traces[kind, stack] = _trace_training_step(kind, stack)
+        return traces[kind, stack]
+
+    return trace
+
+
 @pytest.mark.parametrize(
     ("kind", "stack"), [("flux", "compile"), ("mmdit", "compile"), ("flux", "torchtitan")]
 )
-def test_compiled_blocks_trace_each_block_kind_once(kind: str, stack: str) -> None:
+def test_compiled_blocks_trace_each_block_kind_once(
+    kind: str, stack: str, training_traces: Callable[[str, str], _TrainingTrace]
+) -> None:
     """Over a training forward and backward Dynamo traces each kind of block once, and the last block once
     more (Flux's computes only the clips' rows, the MMDiT's has no text output): the first block, whose text
     input is a view of the embedder's product, no longer traces its kind a second time (a second Inductor
@@ -74,34 +139,8 @@ def test_compiled_blocks_trace_each_block_kind_once(kind: str, stack: str) -> No
     compile, FSDP2 on a one-process group): FSDP2's gradient hook hands the blocks views in the forward but
     not in the checkpointed recomputation, and blocks compiled around the module call were traced again in
     the middle of the backward."""
-    from pfctl.models.fast import FastPaths, apply_fast_paths
-    from pfctl.runtime.sharding import shard_model
-
-    traced: list[str] = []
-
-    def counting(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        traced.append(gm.code)
-        return gm.forward
-
-    model = build(kind, num_layers=2, **({"num_single_layers": 2} if kind == "flux" else {})).train()
-    torch._dynamo.reset()
-    ratio = 0.5 if stack == "torchtitan" else 0.0
-    paths = FastPaths(
-        PLAIN, checkpointing_ratio=ratio, compile=True, compile_backend=counting, independent_sizes=True
-    )
-    apply_fast_paths(model, paths)
-    lone_group = stack == "torchtitan" and not torch.distributed.is_initialized()
-    try:
-        if stack == "torchtitan":  # the 768p recipe's sharding, on a process group of this process alone
-            blocks = [b for _, b in model.blocks_in_order()]
-            shard_model(model, blocks, strategy="shard_grad_op", device=torch.device("cpu"))
-        sum(o.square().mean() for o in model(**inputs())).backward()
-    finally:
-        torch._dynamo.reset()
-        if lone_group:  # ranks forked by later tests must not inherit it
-            torch.distributed.destroy_process_group()
-    kinds = {type(block).__name__ for _, block in model.blocks_in_order()}
-    assert len(traced) == len(kinds) + 1
+    trace = training_traces(kind, stack)
+    assert len(trace.graphs) == len(trace.kinds) + 1
 
 
 def test_compiled_training_with_row_groups_recompiles_nothing_per_column(monkeypatch) -> None:
@@ -255,25 +294,14 @@ def test_compiled_blocks_keep_one_graph_per_block_type_across_training_layouts()
         torch._dynamo.reset()
 
 
-def test_compiled_blocks_take_their_float_attributes_as_constants() -> None:
+def test_compiled_blocks_take_their_float_attributes_as_constants(
+    training_traces: Callable[[str, str], _TrainingTrace],
+) -> None:
     """With every size dynamic, Dynamo passed each float attribute of a block (norm eps, dropout p) to its graph
     as a 0-dim CPU tensor; on CUDA under FSDP2 and checkpointing, Inductor then generated CPU code for a block
-    (the compose test below). The compiled blocks' graphs take no such input, forward or recomputed."""
-    from pfctl.models.fast import FastPaths, apply_fast_paths
-
-    graphs: list[torch.fx.GraphModule] = []
-
-    def keep(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        graphs.append(gm)
-        return gm.forward
-
-    model = build("flux").train()
-    torch._dynamo.reset()
-    try:
-        apply_fast_paths(model, FastPaths(PLAIN, checkpointing_ratio=0.5, compile=True, compile_backend=keep))
-        sum(o.square().mean() for o in model(**inputs(seed=0))).backward()
-    finally:
-        torch._dynamo.reset()
+    (the compose test below). The compiled blocks' graphs take no such input, forward or recomputed: checked on
+    the traced training step of torchtitan's stack (checkpointed and plain blocks of both kinds, FSDP2)."""
+    graphs = training_traces("flux", "torchtitan").graphs
     scalars = [
         node.name
         for gm in graphs
@@ -285,26 +313,14 @@ def test_compiled_blocks_take_their_float_attributes_as_constants() -> None:
     assert graphs and not scalars, scalars
 
 
-def test_compiled_training_blocks_trace_without_the_fake_tensor_cache() -> None:
+def test_compiled_training_blocks_trace_without_the_fake_tensor_cache(
+    training_traces: Callable[[str, str], _TrainingTrace],
+) -> None:
     """Blocks compiled with every size dynamic (training) trace without the fake-tensor cache, whose hits
-    rebuilt symbolic sizes more slowly than a fresh computation: none is looked up while a step is traced."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from pfctl.models.fast import FastPaths, apply_fast_paths
-
-    model = build("flux", num_layers=1, num_single_layers=1).train()
-    torch._dynamo.reset()
-    before = FakeTensorMode.cache_info()
-    try:
-        with torch._dynamo.config.patch(fake_tensor_cache_enabled=True):  # PyTorch's default, back after
-            apply_fast_paths(
-                model, FastPaths(PLAIN, compile=True, compile_backend="eager", independent_sizes=True)
-            )
-            sum(o.square().mean() for o in model(**inputs(seed=0))).backward()
-    finally:
-        torch._dynamo.reset()
-    after = FakeTensorMode.cache_info()
-    assert (after.hits, after.misses) == (before.hits, before.misses)
+    rebuilt symbolic sizes more slowly than a fresh computation: none is looked up while a step is traced
+    (Flux's training step of the trace test above, compiled with the cache on, as PyTorch's default has it)."""
+    trace = training_traces("flux", "compile")
+    assert trace.graphs and trace.fake_cache_lookups == (0, 0)
 
 
 @pytest.mark.parametrize("attention", ["auto", "cudnn", "efficient"])

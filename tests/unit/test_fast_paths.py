@@ -60,6 +60,13 @@ def _sample(
     )
 
 
+@pytest.fixture(scope="module")
+def eager_sample() -> torch.Tensor:
+    """:func:`_sample` of the plain tiny DiT on the CPU (eager blocks, one-call attention): what the compiled
+    blocks below must sample. Computed once for this module (a tiny DiT of one seed samples it every time)."""
+    return _sample(tiny_dit(), "cpu")
+
+
 def test_flatten_round_trip_and_signature():
     a, b, t = torch.zeros(2, 3), torch.ones(1, dtype=torch.long), torch.zeros(2)
     nest = {"sample": [[a, b]], "timestep": t, "flag": True, "pair": (t, 3)}
@@ -94,26 +101,25 @@ def test_cuda_graphs_are_ignored_off_cuda():
     assert torch.equal(_sample(dit, "cpu", cuda_graphs=True), _sample(dit, "cpu"))
 
 
-def test_compiled_blocks_trace_once_for_every_token_count():
+def test_compiled_blocks_trace_once_for_every_token_count(eager_sample: torch.Tensor):
     """Compiled blocks sample what eager blocks sample, with one graph per block type for every stage shape
     (the ``cudnn`` kernel-set context traced into the blocks' graphs: no graph break)."""
     from torch._dynamo.utils import counters
 
-    eager = tiny_dit()
     compiled = tiny_dit()
     compiled.set_attention_backend("cudnn")
     torch._dynamo.reset()
     counters.clear()
     apply_fast_paths(compiled, FastPaths(compile=True, compile_backend="aot_eager"))
-    assert_rounding_close(_sample(compiled, "cpu"), _sample(eager, "cpu"), **SAMPLING)
+    assert_rounding_close(_sample(compiled, "cpu"), eager_sample, **SAMPLING)
     # 2 block types, 9 stage shapes: nothing recompiled per shape, no graph break
     assert counters["stats"]["unique_graphs"] == 2
     assert not counters["graph_break"]
-    assert set(compiled.state_dict()) == set(eager.state_dict())
+    assert set(compiled.state_dict()) == set(tiny_dit().state_dict())
     torch._dynamo.reset()
 
 
-def test_compiled_blocks_with_skip_future_keys_sample_like_eager(monkeypatch):
+def test_compiled_blocks_with_skip_future_keys_sample_like_eager(monkeypatch, eager_sample: torch.Tensor):
     """Row-grouped attention is one operator inside compiled blocks (opaque to the compiler: no graph break,
     no guard on the group layouts), compiled as ``pfctl generate`` compiles (automatic dynamic shapes); the
     samples are the eager one-call ones, with the sampler handing the DiT its text lengths (negative and
@@ -131,14 +137,14 @@ def test_compiled_blocks_with_skip_future_keys_sample_like_eager(monkeypatch):
         return grouped(*args)
 
     monkeypatch.setattr(dc, "_attention_by_row_groups", recording)
-    eager, compiled = tiny_dit(), tiny_dit()
+    compiled = tiny_dit()
     compiled.set_attention_backend("auto", skip_future_keys=True)
     torch._dynamo.reset()
     counters.clear()
     # dynamo's capture and guards, no AOT tracing
     apply_fast_paths(compiled, FastPaths(compile=True, compile_backend="eager", dynamic=None))
     # row groups sum the attention in another order: fp32 rounding, compounded over the sampler's steps
-    assert_rounding_close(_sample(compiled, "cpu"), _sample(eager, "cpu"), **SAMPLING)
+    assert_rounding_close(_sample(compiled, "cpu"), eager_sample, **SAMPLING)
     assert set(mask_free) == {(2, 0)}  # text cut to 4 tokens; the negative prompt's 2 start at 2
     assert not counters["graph_break"]
     # longer videos have other group layouts (more history): once the sizes that change are dynamic, they
