@@ -3,18 +3,15 @@
 Its tensors are small (a 64x64 video is 64 tokens a frame), so a second OpenMP thread has little work to
 share; where the cores are busy with other processes the threads wait on each other and a video takes many
 times as long. On an idle machine one thread is as fast as two; the outputs differ only by float rounding.
+A child process gets the same with ``OMP_NUM_THREADS=1`` in its environment, as the other tests' children do.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-
-ONE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-"""Environment of a child ``python -m pfctl ...`` (or launcher) that runs on one thread a process."""
 
 
 @contextmanager
@@ -26,8 +23,3 @@ def one_torch_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def one_thread_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """``env`` (default: this process's environment) with :data:`ONE_THREAD_ENV` set."""
-    return {**(os.environ if env is None else env), **ONE_THREAD_ENV}

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.threads import one_thread_env, one_torch_thread
+from helpers.threads import one_torch_thread
 from pfctl.errors import ModelLoadError
 from pfctl.models import embedded
 
@@ -176,7 +176,7 @@ def test_embedded_model_draws_the_prompted_colour_and_direction(tmp_path: Path) 
 
 
 def _pfctl(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = one_thread_env({**os.environ, "PYTHONUNBUFFERED": "1"})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "pfctl", *args]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 

@@ -4,6 +4,7 @@ compiled blocks composed with activation checkpointing and FSDP2."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -116,14 +117,7 @@ def _trace_training_step(kind: str, stack: str) -> _TrainingTrace:
 def training_traces() -> Callable[[str, str], _TrainingTrace]:
     """:func:`_trace_training_step` once per ``(kind, stack)`` in this module: the tests below assert different
     things about the same traced step (how many graphs, what they take, how they were traced)."""
-    traces: dict[tuple[str, str], _TrainingTrace] = {}
-
-    def trace(kind: str, stack: str) -> _TrainingTrace:
-        if (kind, stack) not in traces:
-            traces[kind, stack] = _trace_training_step(kind, stack)
-        return traces[kind, stack]
-
-    return trace
+    return functools.cache(_trace_training_step)
 
 
 @pytest.mark.parametrize(
