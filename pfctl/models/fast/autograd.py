@@ -4,9 +4,7 @@
 Each comes with a mixin that :func:`pfctl.models.fast.apply_fast_paths` swaps into the modules' classes
 (``lean_autograd``): :class:`LeanRMSNorm` for ``RMSNorm``, :class:`LeanColumnModulation` for the blocks and
 the output norm, :class:`LeanRotation` for the attention modules. Under torch.compile the column products
-take the plain form (Inductor fuses it anyway; dynamo cannot trace ``out=`` into strided column slices), and
-so does the RMS norm: with torch 2.11 the blocks compiled around :class:`RMSNormFunction` computed the
-forward exactly but most gradients wrongly, with any backend (torch 2.13 traced it right).
+take the plain form (Inductor fuses it anyway; dynamo cannot trace ``out=`` into strided column slices).
 """
 
 from __future__ import annotations
@@ -31,11 +29,15 @@ class RMSNormFunction(torch.autograd.Function):
     """The reference's RMS norm, ``(x * rsqrt(mean(float(x)^2) + eps) [-> weight dtype] * weight) -> x dtype``,
     with the same ops and rounding steps, in fewer kernels and with less kept for backward.
 
-    Forward: the final cast is folded into the last product (``out=`` rounds once, as ``.to`` did). Backward
-    forms the same products and sums autograd forms for that graph (``2 * g_mean * x`` as ``(2 * g_mean) * x``:
-    scaling by 2 is exact), but keeps only ``x`` and ``rstd`` -- autograd also kept the float32 upcast of a
-    half-precision ``x`` and, when the weight trains, the float32 normalised values -- and skips autograd's
-    casts, its ``pow(x, 1)`` copy and its full-size division.
+    Forward: the last product is returned as it is, cast only where the dtypes differ. Torch 2.11's Dynamo
+    traced this Function wrongly when its output was not a fresh result (a product written with ``out=`` into
+    an empty tensor, as the cast used to be folded, or a ``.to`` with nothing to cast): the forward stayed
+    exact and every gradient of the compiled block was wrong, with any backend (torch 2.13 traced it right).
+
+    Backward forms the same products and sums autograd forms for that graph (``2 * g_mean * x`` as
+    ``(2 * g_mean) * x``: scaling by 2 is exact), but keeps only ``x`` and ``rstd`` -- autograd also kept the
+    float32 upcast of a half-precision ``x`` and, when the weight trains, the float32 normalised values -- and
+    skips autograd's casts, its ``pow(x, 1)`` copy and its full-size division.
     """
 
     @staticmethod
@@ -44,7 +46,8 @@ class RMSNormFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         rstd = x.float().pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()  # [..., 1] float32
         ctx.save_for_backward(x, weight, rstd)
-        return torch.mul(_normalized(x, rstd, weight.dtype), weight, out=torch.empty_like(x))
+        out = _normalized(x, rstd, weight.dtype) * weight
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
     @staticmethod
     def backward(
@@ -176,11 +179,9 @@ class Rotary(torch.autograd.Function):
 
 
 class LeanRMSNorm:
-    """``RMSNorm`` through :class:`RMSNormFunction` (same forward, leaner backward) in eager mode."""
+    """``RMSNorm`` through :class:`RMSNormFunction` (same forward, leaner backward)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return super().forward(x)
         return RMSNormFunction.apply(x, self.weight, self.eps)
 
 
