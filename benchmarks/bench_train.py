@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import gc
 import json
 import logging
@@ -333,22 +334,32 @@ class Timings:
     gc_full: list[int] = field(default_factory=list)  # its full passes (every generation) in the step
     syncs: int | None = None
     metrics: dict = field(default_factory=dict)
+    graphs: list[collections.Counter] = field(default_factory=list)  # CUDA-graph trees' calls by outcome
 
 
 def run_steps(
     trainer: Any, setting: Setting, dims: dict, phase: Callable[[str], None] | None = None
 ) -> Timings:
     """The training loop's body (step, loss, logging) ``warmup + steps`` times, each step timed; ``phase`` is
-    told the phase each step starts (:func:`step_phase`)."""
+    told the phase each step starts (:func:`step_phase`). With CUDA graphs each step's calls of the graph trees
+    are counted by outcome (:mod:`graph_events`)."""
+    from graph_events import GraphEvents, describe
+
     records: list[dict] = []
     trainer.write_assignment = records.append  # keep the per-forward records in memory
     out = Timings()
-    with GCPauses() as pauses:
+    counting = setting.cuda and trainer.graphed
+    graphs = GraphEvents() if counting else contextlib.nullcontext()
+    with GCPauses() as pauses, graphs:
         for i in range(setting.steps + setting.warmup):
             seconds, full = pauses.seconds, pauses.full
             run_step(trainer, setting, dims, i, out, records, phase)
             out.gc.append(pauses.seconds - seconds)
             out.gc_full.append(pauses.full - full)
+            out.graphs.append(graphs.take() if counting else collections.Counter())
+            if setting.progress:
+                events = describe(out.graphs[-1])
+                print(f"bench step {i + 1}: {out.step[-1]:.3f} s" + (f" ({events})" if events else ""), flush=True)
     return out
 
 
@@ -434,8 +445,6 @@ def run_step(
     if cuda:
         torch.cuda.synchronize()
     out.step.append(time.perf_counter() - tic)
-    if setting.progress:
-        print(f"bench step {i + 1}: {out.step[-1]:.3f} s", flush=True)
     out.host.append(returned)
     out.wait.append(metrics["gpu_wait_s"])
     out.peak.append(metrics.get("peak_memory_gib", 0.0))
@@ -625,7 +634,20 @@ def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tup
         ("checkpoint save (not timed above)", "skipped (--no-checkpoint)" if args.no_checkpoint else f"{checkpoint_s:.2f} s in the loop, written after {written_s:.2f} s"),
         ("last loss", f"{t.metrics['loss']:.4f}"),
         ("step times (s, in order)", " ".join(f"{x:.2f}" for x in step_max)),
+        ("CUDA graphs in the timed steps", graph_row(t, setting.warmup)),
     ]  # fmt: skip
+
+
+def graph_row(t: Timings, warmup: int) -> str:
+    """The graph trees' calls in the timed steps by outcome (this process; every one a replay when all is well),
+    and the steps in which any call was not."""
+    from graph_events import describe
+
+    total = sum(t.graphs[warmup:], collections.Counter())
+    if not total:
+        return "none (no CUDA graphs)"
+    off = [i + 1 for i in range(warmup, len(t.graphs)) if t.graphs[i]["replayed"] != t.graphs[i]["calls"]]
+    return describe(total) + (f"; steps with calls not replayed: {' '.join(map(str, off))}" if off else "")
 
 
 def gc_row(t: Timings, warmup: int) -> str:

@@ -78,6 +78,7 @@ def test_recipe_runs_the_whole_trainer_on_the_cpu(tmp_path: Path) -> None:
     assert rows["time to steady state"].endswith("within 10%)")
     assert "GiB RSS" in rows["peak memory (timed steps)"] and rows["checkpoint save (not timed above)"].endswith(" s")
     assert rows["Python GC: step 1 / rest of warm-up / timed"].endswith(" full passes)")
+    assert rows["CUDA graphs in the timed steps"] == "none (no CUDA graphs)"
     assert "steady step time (median)" in proc.stdout
 
 
@@ -93,6 +94,64 @@ def test_bench_counts_the_garbage_collectors_pauses() -> None:
     assert pauses.full == 1
     timings = bench.Timings(gc=[0.5, 0.25, 0.25, 0.0], gc_full=[1, 0, 1, 0])
     assert bench.gc_row(timings, 2) == "0.50 / 0.25 / 0.25 s (1 / 0 / 1 full passes)"
+
+
+def test_graph_events_count_each_call_by_where_it_ends_and_put_the_methods_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each call of the trees' manager is counted by the method it ends in (replayed, recorded, a warm-up run;
+    none of them: without a graph), its function's first call as new sizes, and every failed invariant check
+    by status; leaving the ``with`` puts the classes' own methods back. Stand-in classes with the trees'
+    method names (the trees themselves need CUDA)."""
+    from enum import Enum
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # as the script finds its neighbours
+    import graph_events
+
+    Status = Enum("Status", ["SUCCESS", "CudagraphManagedIdxMismatch"])
+
+    class Node:
+        def check_invariants(self, inputs: list) -> tuple:
+            return (Status.SUCCESS if inputs else Status.CudagraphManagedIdxMismatch), str
+
+    class Manager:
+        def _run(self, new_inputs: list, function_id: str) -> str:
+            Node().check_invariants(new_inputs)
+            ends = {"a": self.execute_node, "b": self.record_function, "c": self.run_eager}
+            return ends[function_id]() if function_id in ends else "eager for good"
+
+        def execute_node(self) -> str:
+            return "replayed"
+
+        def record_function(self) -> str:
+            return "recorded"
+
+        def run_eager(self) -> str:
+            return "warmed up"
+
+    own = {name: Manager.__dict__[name] for name in ("_run", "execute_node", "record_function", "run_eager")}
+    m = Manager()
+    with graph_events.GraphEvents(Manager, Node) as events:
+        assert [m._run([1], f) for f in "abcd"] == ["replayed", "recorded", "warmed up", "eager for good"]
+        first = events.take()
+        m._run([1], "a"), m._run([], "a"), m._run([1], "b")
+        second = events.take()
+    assert {name: Manager.__dict__[name] for name in own} == own
+    assert m._run([], "a") == "replayed" and not events.counts  # no longer counted
+    assert first == {"calls": 4, "new sizes": 4, "replayed": 1, "recorded": 1, "warm-up runs": 1}
+    assert graph_events.describe(first) == (
+        "4 calls: 1 replayed, 1 recorded, 1 warm-up runs, 1 without a graph; 4 of new sizes"
+    )
+    assert graph_events.describe(second) == (
+        "3 calls: 2 replayed, 1 recorded, 0 warm-up runs, 0 without a graph; "
+        "failed checks: CudagraphManagedIdxMismatch 1"
+    )
+    assert graph_events.describe(graph_events.GraphEvents().counts) == ""
+    bench = _bench()
+    assert bench.graph_row(bench.Timings(graphs=[first, second, second]), 1) == (
+        "6 calls: 4 replayed, 2 recorded, 0 warm-up runs, 0 without a graph; "
+        "failed checks: CudagraphManagedIdxMismatch 2; steps with calls not replayed: 2 3"
+    )
 
 
 def _spin(seconds: float) -> None:
