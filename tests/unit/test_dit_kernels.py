@@ -191,6 +191,35 @@ def test_rms_norm_keeps_less_than_autograd() -> None:
     assert fused <= x.nbytes + x[..., :1].float().nbytes + weight.nbytes  # x, rstd and the weight only
 
 
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_lean_norm_and_rotation_traced_by_dynamo_give_the_eager_gradients(dtype: torch.dtype) -> None:
+    """The lean RMS norm and rotation as the compiled blocks run them (traced by Dynamo with dynamic sizes and
+    ``specialize_float``; ``aot_eager``: AOTAutograd's graphs run as they are) give the eager outputs and the
+    gradients of both norms' weights and of what feeds them. Torch 2.11 lost every gradient through the norm
+    while its output came from ``out=`` (benchmarks/RESULTS.md, session 36); this checks the torch at hand."""
+    torch.manual_seed(0)
+    table = rotary_table(*(lambda a: (a.cos(), a.sin()))(torch.rand(9, 8) * 20))
+    norms = [rms_norm("lean", 16).to(dtype) for _ in range(2)]
+    proj = torch.nn.Linear(32, 32).to(dtype)
+
+    def qk(x: torch.Tensor) -> torch.Tensor:  # a block's queries and keys: norm, then rotate
+        h = proj(x).unflatten(-1, (2, 16))
+        return sum(rope("lean", n(h * (k + 1)), table) for k, n in enumerate(norms)).float().square().sum()
+
+    params = [proj.weight, proj.bias, *(n.weight for n in norms)]
+    x = randn(2, 9, 32, dtype=dtype)
+    results = []
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(specialize_float=True):
+        for fn in (qk, torch.compile(qk, backend="aot_eager", dynamic=True)):
+            loss = fn(x)
+            results.append([loss.detach(), *torch.autograd.grad(loss, params)])
+    torch._dynamo.reset()
+    for name, eager, compiled in zip(["loss", "proj.weight", "proj.bias", "norm0", "norm1"], *results, strict=True):
+        assert compiled.abs().max() > 0, name
+        assert_rounding_close(compiled.float(), eager.float(), reduction=32 * 18, depth=2, msg=name)
+
+
 # ---------------------------------------------------------------------------------------------------------
 
 
