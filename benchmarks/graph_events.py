@@ -33,6 +33,7 @@ class GraphEvents:
         self.counts: collections.Counter[str] = collections.Counter()
         self._classes = manager, node
         self._functions: set[Any] = set()
+        self._depth = 0  # calls of _run in progress
         self._restore: list[tuple[type, str, Any]] = []
 
     def __enter__(self) -> GraphEvents:
@@ -43,11 +44,11 @@ class GraphEvents:
             manager = getattr(trees, "CUDAGraphTreeManager", None)
             node = getattr(trees, "CUDAGraphNode", None)
         if manager is not None:
-            self._wrap(manager, "_run", self._on_call)
+            self._wrap(manager, "_run", self._calls)
             for name, outcome in _OUTCOMES.items():
-                self._wrap(manager, name, functools.partial(self._on_outcome, outcome))
+                self._wrap(manager, name, functools.partial(self._outcomes, outcome))
         if node is not None:
-            self._wrap(node, "check_invariants", None, self._on_check)
+            self._wrap(node, "check_invariants", self._checks)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -59,44 +60,47 @@ class GraphEvents:
         counts, self.counts = self.counts, collections.Counter()
         return counts
 
-    def _wrap(
-        self,
-        owner: type,
-        name: str,
-        before: Callable[[tuple], None] | None,
-        after: Callable[[Any], None] | None = None,
-    ) -> None:
+    def _wrap(self, owner: type, name: str, counting: Callable[[Callable], Callable]) -> None:
         method = getattr(owner, name, None)
-        if method is None:
-            return
+        if method is not None:
+            setattr(owner, name, functools.wraps(method)(counting(method)))
+            self._restore.append((owner, name, method))
 
-        @functools.wraps(method)
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            if before is not None:
-                before(args + tuple(kwargs.values()))
+    def _calls(self, method: Callable) -> Callable:
+        """``_run(manager, new_inputs, function_id)``: one call, counted once (the trees call it again from
+        inside itself when a call starts a new path)."""
+
+        def run(manager: Any, new_inputs: Any, function_id: Any, *args: Any, **kwargs: Any) -> Any:
+            if self._depth == 0:
+                self.counts["calls"] += 1
+                if function_id not in self._functions:
+                    self._functions.add(function_id)
+                    self.counts["new sizes"] += 1
+            self._depth += 1
+            try:
+                return method(manager, new_inputs, function_id, *args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return run
+
+    def _outcomes(self, outcome: str, method: Callable) -> Callable:
+        def ends(*args: Any, **kwargs: Any) -> Any:
+            self.counts[outcome] += 1
+            return method(*args, **kwargs)
+
+        return ends
+
+    def _checks(self, method: Callable) -> Callable:
+        def check(*args: Any, **kwargs: Any) -> Any:
             result = method(*args, **kwargs)
-            if after is not None:
-                after(result)
+            status = result[0] if isinstance(result, tuple) else result
+            name = getattr(status, "name", str(status))
+            if name != "SUCCESS":
+                self.counts[f"failed check: {name}"] += 1
             return result
 
-        setattr(owner, name, counted)
-        self._restore.append((owner, name, method))
-
-    def _on_call(self, args: tuple) -> None:
-        self.counts["calls"] += 1
-        function_id = args[2] if len(args) > 2 else None  # (manager, new_inputs, function_id)
-        if function_id is not None and function_id not in self._functions:
-            self._functions.add(function_id)
-            self.counts["new sizes"] += 1
-
-    def _on_outcome(self, outcome: str, args: tuple) -> None:
-        self.counts[outcome] += 1
-
-    def _on_check(self, result: Any) -> None:
-        status = result[0] if isinstance(result, tuple) else result
-        name = getattr(status, "name", str(status))
-        if name != "SUCCESS":
-            self.counts[f"failed check: {name}"] += 1
+        return check
 
 
 def describe(counts: collections.Counter[str]) -> str:

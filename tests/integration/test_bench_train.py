@@ -116,6 +116,8 @@ def test_graph_events_count_each_call_by_where_it_ends_and_put_the_methods_back(
 
     class Manager:
         def _run(self, new_inputs: list, function_id: str) -> str:
+            if function_id == "r":  # a new path: the trees call themselves again, with the same call
+                return self._run(new_inputs, "a")
             Node().check_invariants(new_inputs)
             ends = {"a": self.execute_node, "b": self.record_function, "c": self.run_eager}
             return ends[function_id]() if function_id in ends else "eager for good"
@@ -134,7 +136,7 @@ def test_graph_events_count_each_call_by_where_it_ends_and_put_the_methods_back(
     with graph_events.GraphEvents(Manager, Node) as events:
         assert [m._run([1], f) for f in "abcd"] == ["replayed", "recorded", "warmed up", "eager for good"]
         first = events.take()
-        m._run([1], "a"), m._run([], "a"), m._run([1], "b")
+        m._run([1], "r"), m._run([], "a"), m._run([1], "b")
         second = events.take()
     assert {name: Manager.__dict__[name] for name in own} == own
     assert m._run([], "a") == "replayed" and not events.counts  # no longer counted
@@ -143,13 +145,13 @@ def test_graph_events_count_each_call_by_where_it_ends_and_put_the_methods_back(
         "4 calls: 1 replayed, 1 recorded, 1 warm-up runs, 1 without a graph; 4 of new sizes"
     )
     assert graph_events.describe(second) == (
-        "3 calls: 2 replayed, 1 recorded, 0 warm-up runs, 0 without a graph; "
+        "3 calls: 2 replayed, 1 recorded, 0 warm-up runs, 0 without a graph; 1 of new sizes; "
         "failed checks: CudagraphManagedIdxMismatch 1"
     )
     assert graph_events.describe(graph_events.GraphEvents().counts) == ""
     bench = _bench()
     assert bench.graph_row(bench.Timings(graphs=[first, second, second]), 1) == (
-        "6 calls: 4 replayed, 2 recorded, 0 warm-up runs, 0 without a graph; "
+        "6 calls: 4 replayed, 2 recorded, 0 warm-up runs, 0 without a graph; 2 of new sizes; "
         "failed checks: CudagraphManagedIdxMismatch 2; steps with calls not replayed: 2 3"
     )
 
