@@ -109,7 +109,7 @@ def describe(counts: collections.Counter[str]) -> str:
     calls = counts.get("calls", 0)
     if not calls:
         return ""
-    outcomes = [f"{counts.get(k, 0)} {k}" for k in ("replayed", "recorded", "warm-up runs")]
+    outcomes = [f"{counts.get(k, 0)} {k}" for k in _OUTCOMES.values()]
     no_graph = calls - sum(counts.get(k, 0) for k in _OUTCOMES.values())
     parts = [f"{calls} calls: " + ", ".join(outcomes) + f", {no_graph} without a graph"]
     if counts.get("new sizes"):

@@ -198,7 +198,8 @@ def test_lean_norm_and_rotation_traced_by_dynamo_give_the_eager_gradients(dtype:
     gradients of both norms' weights and of what feeds them. Torch 2.11 lost every gradient through the norm
     while its output came from ``out=`` (benchmarks/RESULTS.md, session 36); this checks the torch at hand."""
     torch.manual_seed(0)
-    table = rotary_table(*(lambda a: (a.cos(), a.sin()))(torch.rand(9, 8) * 20))
+    angles = torch.rand(9, 8) * 20
+    table = rotary_table(angles.cos(), angles.sin())
     norms = [rms_norm("lean", 16).to(dtype) for _ in range(2)]
     proj = torch.nn.Linear(32, 32).to(dtype)
 
