@@ -32,7 +32,7 @@ class RMSNormFunction(torch.autograd.Function):
     Forward: the last product is returned as it is, cast only where the dtypes differ. Torch 2.11's Dynamo
     traced this Function wrongly when its output was not a fresh result (a product written with ``out=`` into
     an empty tensor, as the cast used to be folded, or a ``.to`` with nothing to cast): the forward stayed
-    exact and every gradient of the compiled block was wrong, with any backend (torch 2.13 traced it right).
+    exact and every gradient through the norm came out zero, with any backend (torch 2.13 traced it right).
 
     Backward forms the same products and sums autograd forms for that graph (``2 * g_mean * x`` as
     ``(2 * g_mean) * x``: scaling by 2 is exact), but keeps only ``x`` and ``rstd`` -- autograd also kept the
