@@ -13,7 +13,7 @@ GPU="${GPU:-0}"  # the GPU of the single-GPU steps (two suites can run side by s
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpus.txt"
 python -c "import torch, diffusers; print('torch', torch.__version__, 'diffusers', diffusers.__version__)" | tee -a "$OUT/gpus.txt"
 case ",$STEPS," in *,gputests,*)
-  echo "=== CUDA-only tests"; CUDA_VISIBLE_DEVICES=$GPU python -m pytest -q -p no:cacheprovider tests/unit/test_fast_paths.py 2>&1 | tee -a "$OUT/suite.log" | tail -25;;
+  echo "=== CUDA-only tests"; CUDA_VISIBLE_DEVICES=$GPU python -m pytest -q -n 0 -p no:cacheprovider tests/unit/test_fast_paths.py 2>&1 | tee -a "$OUT/suite.log" | tail -25;;
 esac
 case ",$STEPS," in *,verify,*)
   echo "=== verify"; CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_verify.py --device cuda --repeats 2 --json "$OUT/verify.json" 2>&1 | tee -a "$OUT/suite.log" | grep -v "kept in float32" | tail -8;;
@@ -25,7 +25,7 @@ case ",$STEPS," in *,sync,*)
   echo "=== sync group (2 GPUs, G=2, miniFLUX 384p)"; python benchmarks/bench_sync_group.py --nproc 2 --group 2 --preset miniflux --json "$OUT/sync.json" 2>&1 | tee -a "$OUT/suite.log" | tail -14;;
 esac
 case ",$STEPS," in *,fsdp,*)
-  echo "=== FSDP tests (2 GPUs)"; python -m pytest -q -p no:cacheprovider tests/integration/test_train_fsdp.py 2>&1 | tee -a "$OUT/suite.log" | tail -6;;
+  echo "=== FSDP tests (2 GPUs)"; python -m pytest -q -n 0 -p no:cacheprovider tests/integration/test_train_fsdp.py 2>&1 | tee -a "$OUT/suite.log" | tail -6;;
 esac
 case ",$STEPS," in *,generate,*)
   echo "=== generate 5 s 384p (GPU 0): CUDA graphs, then + compiled blocks"
@@ -129,7 +129,7 @@ esac
 case ",$STEPS," in *,graphtests,*)
   # (no faulthandler stack dumps: on the GPU machine's Python 3.12 the dump itself crashed the process)
   echo "=== CUDA tests: graphs under accumulation vs eager, checkpointing + compile + FSDP2 vs eager (GPU $GPU; ~8 min)"
-  CUDA_VISIBLE_DEVICES=$GPU timeout 560 python -m pytest -q -p no:cacheprovider tests/integration/test_train_single.py tests/unit/test_dit_compile.py -k "cuda_graphs_train_like_the_eager_path_with_accumulation or compose_on_cuda" --durations=3 2>&1 | tee -a "$OUT/suite.log" | tail -12;;
+  CUDA_VISIBLE_DEVICES=$GPU timeout 560 python -m pytest -q -n 0 -p no:cacheprovider tests/integration/test_train_single.py tests/unit/test_dit_compile.py -k "cuda_graphs_train_like_the_eager_path_with_accumulation or compose_on_cuda" --durations=3 2>&1 | tee -a "$OUT/suite.log" | tail -12;;
 esac
 case ",$STEPS," in *,recipe768,*)
   # 8 timed steps: one whole cycle of the 8 temporal positions one GPU builds (their step times differ)
@@ -176,13 +176,13 @@ esac
 case ",$STEPS," in *,composetest,*)
   # session 21: 190 s a strategy, nearly all of it Dynamo's symbolic-shape reasoning (sympy) in the first trace
   echo "=== CUDA test: activation checkpointing + compiled blocks + FSDP2 against eager (GPU $GPU; ~7 min)"
-  CUDA_VISIBLE_DEVICES=$GPU timeout 560 python -m pytest -q -p no:cacheprovider tests/unit/test_dit_compile.py -k compose_on_cuda --durations=3 2>&1 | tee -a "$OUT/suite.log" | tail -40;;
+  CUDA_VISIBLE_DEVICES=$GPU timeout 560 python -m pytest -q -n 0 -p no:cacheprovider tests/unit/test_dit_compile.py -k compose_on_cuda --durations=3 2>&1 | tee -a "$OUT/suite.log" | tail -40;;
 esac
 case ",$STEPS," in *,rowgrouptests,*)
   # session 32: the row groups' training operator on CUDA, and the 768p recipe's speed settings in miniature
   # (compiled, checkpointed row groups on cuDNN) against the eager path
   echo "=== CUDA tests: the row groups' training operator and compiled row groups on cuDNN (GPU $GPU; ~3 min)"
-  CUDA_VISIBLE_DEVICES=$GPU timeout 560 python -m pytest -q -p no:cacheprovider tests/unit/test_row_group_operator.py tests/integration/test_train_single.py -k "operator or cudnn" --durations=3 2>&1 | tee -a "$OUT/suite.log" | tail -12;;
+  CUDA_VISIBLE_DEVICES=$GPU timeout 560 python -m pytest -q -n 0 -p no:cacheprovider tests/unit/test_row_group_operator.py tests/integration/test_train_single.py -k "operator or cudnn" --durations=3 2>&1 | tee -a "$OUT/suite.log" | tail -12;;
 esac
 case ",$STEPS," in *,gen2gpu,*)
   # issue 29: one video on 1 and 2 GPUs (CFG halves on two ranks), 768p then 384p (~6 min on 2 GPUs)

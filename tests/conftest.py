@@ -43,9 +43,18 @@ def pytest_configure(config: pytest.Config) -> None:
         logging.getLogger("torch.__trace").addFilter(_no_trace_records)
 
 
+def threads_per_test_process() -> int:
+    """Torch's threads in a test process: ``$PFCTL_TEST_THREADS``, else at most 2, the machine's cores shared
+    out among pytest-xdist's workers (the suite runs on every core, ``addopts`` in pyproject.toml)."""
+    if "PFCTL_TEST_THREADS" in os.environ:
+        return int(os.environ["PFCTL_TEST_THREADS"])
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, min(2, (os.cpu_count() or 1) // workers))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _threads():
     import torch
 
-    torch.set_num_threads(int(os.environ.get("PFCTL_TEST_THREADS", "2")))
+    torch.set_num_threads(threads_per_test_process())
     yield

@@ -181,8 +181,9 @@ def _check_gpu_config(output: str, tokens: list[str], cwd: Path) -> None:
             assert (cwd / token).is_file(), token
 
 
-def run_command(command: str, gpu: bool, cwd: Path) -> str | None:
-    """Run one documented command; None when it ran, else why it is not run."""
+def run_command(command: str, gpu: bool, cwd: Path, outputs: dict[str, str] | None = None) -> str | None:
+    """Run one documented command; None when it ran, else why it is not run. ``outputs`` collects what each
+    command that ran printed."""
     tokens = shlex.split(command)
     head = tokens[0]
     if head in SETUP or tokens[:2] == ["accelerate", "config"]:
@@ -201,6 +202,8 @@ def run_command(command: str, gpu: bool, cwd: Path) -> str | None:
     code, output = _in_process(tokens[1:]) if head == "pfctl" else _subprocess(tokens, cwd)
     expected = EXPECTED_EXIT.get(command, 0)
     assert code == expected, f"`{shlex.join(tokens)}` exited {code} (expected {expected}):\n{output[-3000:]}"
+    if outputs is not None:
+        outputs[command] = output
     if gpu:
         _check_gpu_config(output, tokens, cwd)
     return None
@@ -213,14 +216,31 @@ def test_every_documented_command_runs_as_written(tmp_path: Path, monkeypatch: p
     examples = [(shlex.join(shlex.split(c)), False) for lines in help_examples().values() for c in lines]
     _workspace(tmp_path)
     monkeypatch.chdir(tmp_path)
-    done: set[tuple[str, bool]] = set()
+    outputs: dict[str, str] = {}
     not_run = {}
     for command, gpu in [*readme, *examples]:
-        if (command, gpu) in done:
+        if command in outputs or command in not_run:
             continue
-        done.add((command, gpu))
-        reason = run_command(command, gpu, tmp_path)
+        reason = run_command(command, gpu, tmp_path, outputs)
         if reason:
             not_run[command] = reason
     assert {shlex.split(c)[0] for c in not_run} <= {*SETUP, "accelerate", "source"}, not_run
     assert (tmp_path / "merged").is_dir() and list((tmp_path / "outputs" / "prompts").glob("*.mp4"))
+    check_demo((tmp_path / "pfctl-demo").resolve(), outputs["pfctl demo"])
+
+
+def check_demo(out: Path, printed: str) -> None:
+    """What the README's main command, ``pfctl demo``, leaves for a person: its six stages announced, the
+    exported model, one video per prompt, the verify-groupnorm report, and the contact sheets at step 0 and at
+    the end, the loss curve and the summary, each path printed."""
+    from pfctl.demo.run import DemoSettings
+
+    settings = DemoSettings.make(quick=False)
+    for stage in range(1, 7):
+        assert f"[{stage}/6]" in printed
+    assert (out / "train" / "export" / "pfctl_export.json").is_file()
+    assert len(list((out / "videos").glob("*.mp4"))) == len(settings.prompts) * settings.videos_per_prompt
+    assert (out / "verify-groupnorm.json").is_file()
+    sheets = [out / "train" / "validation" / f"step-{s:06d}.png" for s in (0, settings.steps)]
+    for path in (*sheets, out / "train" / "loss.png", out / "train" / "summary.md"):
+        assert path.is_file() and str(path) in printed, path

@@ -1,4 +1,5 @@
-"""The embedded default model (issue #8): shipped files, fingerprints, defaults, accuracy, demo.
+"""The embedded default model (issue #8): shipped files, fingerprints, defaults, accuracy. (``pfctl demo``, the
+README's main command, runs as written in ``tests/cli/test_doc_examples.py``, which checks what it leaves.)
 
 The accuracy tests are the model's acceptance check, generated with the model's own settings
 (what ``pfctl generate "<prompt>"`` runs) and scored by :mod:`pfctl.demo.score` (dominant hue of
@@ -201,19 +202,3 @@ def test_verify_groupnorm_without_vae_audits_the_demo_vae(tmp_path: Path) -> Non
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["vae"]["spec"] == "default" and report["vae"]["is_demo"]
     assert report["vae"]["class_name"] == "CausalVideoVAE"
-
-
-@pytest.mark.slow
-def test_demo_quick(tmp_path: Path) -> None:
-    result = _pfctl("demo", "--quick", "-o", str(tmp_path / "demo"), cwd=tmp_path, timeout=900)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    out = tmp_path / "demo"
-    for step in ("[1/6]", "[2/6]", "[3/6]", "[4/6]", "[5/6]", "[6/6]"):
-        assert step in result.stdout
-    assert (out / "train" / "export" / "pfctl_export.json").is_file()
-    assert len(list((out / "videos").glob("*.mp4"))) == 2
-    assert (out / "verify-groupnorm.json").is_file()
-    # what a person reads: the contact sheets at step 0 and at the end, the loss curve, their paths printed
-    sheets = [out / "train" / "validation" / f"step-{s:06d}.png" for s in (0, 4)]
-    for path in (*sheets, out / "train" / "loss.png", out / "train" / "summary.md"):
-        assert path.is_file() and str(path) in result.stdout, path
