@@ -14,7 +14,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["GraphEvents", "describe"]
+__all__ = ["GraphEvents", "describe", "why_check_failed"]
 
 # the trees' manager methods a call ends in, and what each means
 _OUTCOMES = {"execute_node": "replayed", "record_function": "recorded", "run_eager": "warm-up runs"}
@@ -25,7 +25,8 @@ class GraphEvents:
 
     Keys: ``calls``, ``replayed``, ``recorded``, ``warm-up runs``, ``new sizes`` (calls of sizes not met before:
     the trees keep one function per set of sizes), ``failed check: <status>`` (a recording of the call's
-    function whose invariants did not hold; PyTorch's status names). On a PyTorch whose trees lack a method
+    function whose invariants did not hold; PyTorch's status names), ``why: <status>: <finding>`` (what such a
+    check found, :func:`why_check_failed`). On a PyTorch whose trees lack a method
     counted here, that count stays absent. ``manager`` and ``node``: the classes counted (default: the trees'
     ``CUDAGraphTreeManager`` and ``CUDAGraphNode``)."""
 
@@ -92,15 +93,56 @@ class GraphEvents:
         return ends
 
     def _checks(self, method: Callable) -> Callable:
-        def check(*args: Any, **kwargs: Any) -> Any:
-            result = method(*args, **kwargs)
+        def check(node: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            result = method(node, inputs, *args, **kwargs)
             status = result[0] if isinstance(result, tuple) else result
             name = getattr(status, "name", str(status))
             if name != "SUCCESS":
                 self.counts[f"failed check: {name}"] += 1
+                for what in why_check_failed(node, inputs, name):
+                    self.counts[f"{_WHY}{name}: {what}"] += 1
             return result
 
         return check
+
+
+_WHY = "why: "  # the counts' keys of what a failed check found
+# the trees' record of a recording's input positions each check compares with its data pointers
+_COMPARED = {
+    "CudagraphManagedIdxMismatch": "cudagraph_managed_idxs",
+    "StaticInputIdxMismatch": "tensor_static_input_idxs",
+}
+
+
+def why_check_failed(node: Any, inputs: Any, status: str) -> list[str]:
+    """What a failed invariant check of ``node`` (a recording) found on ``inputs`` (the call's), as PyTorch's
+    trees keep it: for a data-pointer check, each compared input that is not where the recording had it, named
+    by the recording's placeholder and its sizes (a graph's own outputs are managed inputs of the next graph;
+    parameters are static inputs); for the liveness check, each output of the path the recording saw freed
+    that is alive now, as ``output i of graph d`` of the path. Empty where the trees keep none of it."""
+    if status == "ExpectedDeadIndicesBeforeGraphMismatch":
+        refs = getattr(node, "path_weakrefs", None)
+        expected_dead = getattr(node, "expected_dead_indices_before_graph", None) or ()
+        if refs is None:
+            return []
+        return [f"output {i} of graph {d} alive" for d, i in expected_dead if _alive(refs[d][i])]
+    recorded = getattr(node, "static_input_data_ptrs", None)
+    compared = getattr(node, _COMPARED.get(status, ""), None)
+    if recorded is None or compared is None:
+        return []
+    placeholders = getattr(getattr(node, "wrapped_function", None), "placeholders", None) or ()
+    moved = []
+    for i in compared:
+        tensor = inputs[i] if i < len(inputs) else None
+        if hasattr(tensor, "data_ptr") and i < len(recorded) and tensor.data_ptr() != recorded[i]:
+            name = placeholders[i].name if i < len(placeholders) else f"input {i}"
+            moved.append(f"{name} {list(tensor.shape)} moved")
+    return moved
+
+
+def _alive(ref: Any) -> bool:
+    """A path's weak reference to an output (the trees' ``StorageWeakRefWrapper``, or None) still refers to it."""
+    return ref is not None and ref() is not None
 
 
 def describe(counts: collections.Counter[str]) -> str:
@@ -119,4 +161,12 @@ def describe(counts: collections.Counter[str]) -> str:
     )
     if failed:
         parts.append("failed checks: " + ", ".join(f"{name} {v}" for name, v in failed))
+    why = sorted(((-v, k.removeprefix(_WHY)) for k, v in counts.items() if k.startswith(_WHY)))
+    if why:
+        shown = [f"{what} x{-v}" for v, what in why[:_WHY_SHOWN]]
+        more = f" (+{len(why) - _WHY_SHOWN} more)" if len(why) > _WHY_SHOWN else ""
+        parts.append("found: " + ", ".join(shown) + more)
     return "; ".join(parts)
+
+
+_WHY_SHOWN = 6  # the most frequent findings a line names

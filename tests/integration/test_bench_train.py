@@ -156,6 +156,55 @@ def test_graph_events_count_each_call_by_where_it_ends_and_put_the_methods_back(
     )
 
 
+def test_a_failed_check_names_what_it_found_moved_or_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a failed invariant check found, read from what the trees keep on a recording (stand-ins with their
+    attribute names): the compared inputs whose data pointers moved, by placeholder and sizes (only the
+    positions that check compares); the path's outputs the recording saw freed that are alive now; nothing
+    where the trees keep none of it. Counted under the check while the events are entered, and named last in
+    the line."""
+    from collections import Counter
+    from enum import Enum
+    from types import SimpleNamespace
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import graph_events
+
+    a, b, w = torch.zeros(2, 3), torch.zeros(4), torch.zeros(5)
+    names = [SimpleNamespace(name=n) for n in ("primals_1", "getitem_3", "primals_9")]
+    Status = Enum("Status", ["SUCCESS", "StaticInputIdxMismatch"])
+
+    class Node(SimpleNamespace):
+        def check_invariants(self, inputs: list) -> tuple:
+            return Status.StaticInputIdxMismatch, str
+
+    node = Node(
+        static_input_data_ptrs=[a.data_ptr(), b.data_ptr() + 4, w.data_ptr() + 4],  # b and w moved
+        cudagraph_managed_idxs=[0, 1],
+        tensor_static_input_idxs=[2],
+        wrapped_function=SimpleNamespace(placeholders=names),
+    )
+    why = graph_events.why_check_failed
+    assert why(node, [a, b, w], "CudagraphManagedIdxMismatch") == ["getitem_3 [4] moved"]
+    assert why(node, [a, b, w], "StaticInputIdxMismatch") == ["primals_9 [5] moved"]
+    live = torch.zeros(1)
+    node.path_weakrefs = [[weakref.ref(live), None], [lambda: None]]  # alive, no output, freed
+    node.expected_dead_indices_before_graph = [(0, 0), (1, 0)]
+    assert why(node, [], "ExpectedDeadIndicesBeforeGraphMismatch") == ["output 0 of graph 0 alive"]
+    assert why(SimpleNamespace(), [a, b], "CudagraphManagedIdxMismatch") == []
+    with graph_events.GraphEvents(None, Node) as events:
+        node.check_invariants([a, b, w]), node.check_invariants([a, b, w])
+    assert events.counts == {
+        "failed check: StaticInputIdxMismatch": 2,
+        "why: StaticInputIdxMismatch: primals_9 [5] moved": 2,
+    }
+    assert graph_events.describe(events.counts + Counter(calls=2)) == (
+        "2 calls: 0 replayed, 0 recorded, 0 warm-up runs, 2 without a graph; failed checks: "
+        "StaticInputIdxMismatch 2; found: StaticInputIdxMismatch: primals_9 [5] moved x2"
+    )
+
+
 def _spin(seconds: float) -> None:
     """Busy Python for ``seconds`` (what the host sampler must see as running)."""
     end = time.perf_counter() + seconds
