@@ -4,7 +4,7 @@
     python scripts/reliability.py --quick                       # a few minutes: 3 kills each
     python scripts/reliability.py --full --write RELIABILITY.md # >= 12 seeded kills per pipeline
 
-Scenarios live in ``tests/reliability/harness.py`` (the tests run the same code with fewer
+Scenarios live in ``tests/reliability/harness.py`` and ``scenarios.py`` (the tests run the same code with fewer
 iterations). Each one injects faults into real ``pfctl`` processes — SIGKILL at seeded random
 moments, ``PFCTL_FAULT`` hooks (a raising or hanging rank, a full disk, NaN tensors), a small
 tmpfs that fills up, a read-only remount — and checks what survived. Exit status: 0 when every
@@ -27,25 +27,25 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
-from reliability import fuzz, harness  # noqa: E402
+from reliability import fuzz, harness, scenarios  # noqa: E402
 
 
-def scenarios(mode: str, seed: int):
+def scenario_list(mode: str, seed: int):
     """(section, short name, callable(work) -> Outcome) in the order they run."""
     kills = {"quick": 3, "full": 12}[mode]
     examples = {"quick": 100, "full": 500}[mode]
     return [
         ("1. kill and resume", "encode-kill", lambda w: harness.encode_kill_scenario(w, kills, seed)),
         ("1. kill and resume", "train-kill", lambda w: harness.train_kill_scenario(w, kills, seed + 1)),
-        ("2. distributed faults", "dist-raise", harness.dist_raise_scenario),
-        ("2. distributed faults", "dist-enospc", harness.dist_checkpoint_enospc_scenario),
-        ("2. distributed faults", "dist-hang", harness.dist_hang_scenario),
-        ("2. distributed faults", "dist-corrupt", harness.dist_corrupt_one_rank_scenario),
-        ("3. disk full and permissions", "encode-disk-full", harness.encode_disk_full_scenario),
-        ("3. disk full and permissions", "train-disk-full", harness.train_disk_full_scenario),
-        ("3. disk full and permissions", "read-only", harness.read_only_scenario),
-        ("4. bad inputs and fuzzing", "bad-videos", harness.bad_video_scenario),
-        ("4. bad inputs and fuzzing", "bad-cli", harness.bad_input_cli_scenario),
+        ("2. distributed faults", "dist-raise", scenarios.dist_raise_scenario),
+        ("2. distributed faults", "dist-enospc", scenarios.dist_checkpoint_enospc_scenario),
+        ("2. distributed faults", "dist-hang", scenarios.dist_hang_scenario),
+        ("2. distributed faults", "dist-corrupt", scenarios.dist_corrupt_one_rank_scenario),
+        ("3. disk full and permissions", "encode-disk-full", scenarios.encode_disk_full_scenario),
+        ("3. disk full and permissions", "train-disk-full", scenarios.train_disk_full_scenario),
+        ("3. disk full and permissions", "read-only", scenarios.read_only_scenario),
+        ("4. bad inputs and fuzzing", "bad-videos", scenarios.bad_video_scenario),
+        ("4. bad inputs and fuzzing", "bad-cli", scenarios.bad_input_cli_scenario),
         (
             "4. bad inputs and fuzzing",
             "fuzz-annotations",
@@ -56,10 +56,10 @@ def scenarios(mode: str, seed: int):
             "fuzz-recipes",
             lambda w: fuzz_outcome("recipes and --set", fuzz.fuzz_recipes, examples),
         ),
-        ("5. safety", "static-scan", lambda w: harness.static_safety_scan()),
-        ("5. safety", "outside-writes", harness.outside_writes_scenario),
-        ("5. safety", "encode-nan", harness.encode_nan_scenario),
-        ("5. safety", "train-nan", harness.train_nan_scenario),
+        ("5. safety", "static-scan", lambda w: scenarios.static_safety_scan()),
+        ("5. safety", "outside-writes", scenarios.outside_writes_scenario),
+        ("5. safety", "encode-nan", scenarios.encode_nan_scenario),
+        ("5. safety", "train-nan", scenarios.train_nan_scenario),
     ]
 
 
@@ -202,7 +202,7 @@ def main() -> int:
     start = time.monotonic()
     results: list[tuple[str, harness.Outcome]] = []
     try:
-        for section, name, fn in scenarios(args.mode, args.seed):
+        for section, name, fn in scenario_list(args.mode, args.seed):
             if args.only and args.only not in name:
                 continue
             t0 = time.monotonic()

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from reliability import harness
+from reliability import scenarios
 
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory: pytest.TempPathFactory):
     work = tmp_path_factory.mktemp("bad-inputs")
-    return work, {label: (args, code, needle) for label, args, code, needle in harness.cli_cases(work)}
+    return work, {label: (args, code, needle) for label, args, code, needle in scenarios.cli_cases(work)}
 
 
 def _labels() -> list[str]:
@@ -21,7 +21,7 @@ def _labels() -> list[str]:
 
     work = Path(tempfile.mkdtemp(prefix="pfctl-labels-"))
     try:
-        return [c[0] for c in harness.cli_cases(work)]
+        return [c[0] for c in scenarios.cli_cases(work)]
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -30,7 +30,7 @@ def _labels() -> list[str]:
 def test_cli_case(cases, label: str) -> None:
     work, table = cases
     args, code, needle = table[label]
-    got, text, escaped = harness.run_cli_case(args)
+    got, text, escaped = scenarios.run_cli_case(args)
     assert not escaped, text
     assert got == code, text
     assert needle in text
@@ -39,5 +39,5 @@ def test_cli_case(cases, label: str) -> None:
 
 @pytest.mark.slow
 def test_bad_video_corpus(tmp_path: Path) -> None:
-    outcome = harness.bad_video_scenario(tmp_path)
+    outcome = scenarios.bad_video_scenario(tmp_path)
     assert outcome.ok, outcome.failures
