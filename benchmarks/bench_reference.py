@@ -46,15 +46,9 @@ Exit code 1 when the outputs disagree beyond the tolerance.
 from __future__ import annotations
 
 import argparse
-import atexit
-import contextlib
 import importlib
-import importlib.abc
-import importlib.machinery
 import json
-import shutil
 import sys
-import tempfile
 import time
 import types
 from pathlib import Path
@@ -67,192 +61,21 @@ sys.path.insert(0, str(HERE))
 
 from bench_generate import REAL_VAE, RandomTextEncoder  # noqa: E402
 from kernel_profile import kernel_breakdown, print_breakdown  # noqa: E402
-
-OPTIONAL_REFERENCE_IMPORTS = ("tensorboardX", "IPython", "timm", "torchvision")
-COVARIANCE_JITTER = 1e-6
-PROMPT = "a red circle moving left"
-VARIANT = "diffusion_transformer_384p"
-CPU_DIT = {
-    "num_layers": 1,
-    "num_single_layers": 1,
-    "attention_head_dim": 64,  # the reference fixes axes_dims_rope = [16, 24, 24]
-    "num_attention_heads": 2,
-    "axes_dims_rope": [16, 24, 24],
-}
-TOLERANCE = {"cuda": 5e-2, "cpu": 1e-4}
-"""Relative L2 error allowed between the two implementations' latents (bf16 on CUDA, fp32 on CPU)."""
-
-
-# ----------------------------------------------------------------------------- the reference
-class _StubModule(types.ModuleType):
-    """Any attribute is another stub and calling one does nothing: enough for import-time
-    ``from x import y`` and for ``timm``'s weight initialisers, whose values the loaded weights replace."""
-
-    def __getattr__(self, name: str) -> _StubModule:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _StubModule(f"{self.__name__}.{name}")
-
-    def __call__(self, *args, **kwargs) -> None:
-        return None
-
-
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self, roots: set[str]) -> None:
-        self.roots = roots
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname.split(".")[0] in self.roots:
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        return _StubModule(spec.name)
-
-    def exec_module(self, module) -> None:
-        module.__path__ = []
-
-
-def import_reference(root: Path) -> tuple[type, list[str]]:
-    """The reference's ``PyramidDiTForVideoGeneration`` and the modules that had to be stubbed."""
-    if not (root / "pyramid_dit" / "pyramid_dit_for_video_gen_pipeline.py").is_file():
-        raise SystemExit(
-            f"error: {root} is not a Pyramid-Flow checkout (git clone jy0205/Pyramid-Flow there)"
-        )
-    import diffusers  # (probes torchvision at import: before any stub exists)
-    import diffusers.models.modeling_utils  # noqa: F401
-    import transformers  # noqa: F401
-
-    missing = []
-    for name in OPTIONAL_REFERENCE_IMPORTS:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            missing.append(name)
-    if missing:
-        sys.meta_path.insert(0, _StubFinder(set(missing)))
-    sys.path.insert(0, str(root))
-    pipeline = importlib.import_module("pyramid_dit")
-    return pipeline.PyramidDiTForVideoGeneration, missing
-
-
-class _JitteredNormal(torch.distributions.MultivariateNormal):
-    def __init__(self, loc: torch.Tensor, covariance_matrix: torch.Tensor, **kwargs) -> None:
-        eye = torch.eye(covariance_matrix.shape[-1], dtype=covariance_matrix.dtype)
-        super().__init__(loc, covariance_matrix=covariance_matrix + COVARIANCE_JITTER * eye, **kwargs)
-
-
-@contextlib.contextmanager
-def reference_noise_recorder(pipe):
-    """Run the reference with a regular block-noise covariance, recording every noise it draws."""
-    record: dict = {"initial": None, "blocks": []}
-    prepare, block = pipe.prepare_latents, pipe.sample_block_noise
-
-    def prepare_latents(*args, **kwargs):
-        record["initial"] = prepare(*args, **kwargs)
-        return record["initial"]
-
-    def sample_block_noise(*args, **kwargs):
-        record["blocks"].append(block(*args, **kwargs))
-        return record["blocks"][-1]
-
-    mvn_module = torch.distributions.multivariate_normal
-    original = mvn_module.MultivariateNormal
-    pipe.prepare_latents, pipe.sample_block_noise = prepare_latents, sample_block_noise
-    mvn_module.MultivariateNormal = _JitteredNormal
-    try:
-        yield record
-    finally:
-        mvn_module.MultivariateNormal = original
-        del pipe.prepare_latents, pipe.sample_block_noise
-
-
-# ----------------------------------------------------------------------------- shared set-up
-def write_checkpoint(
-    folder: Path, variant: str, dit_overrides: dict, vae_config: dict | None, seed: int, dtype: torch.dtype
-) -> int:
-    """A random-weight checkpoint folder in the official layout; returns the DiT's parameter count."""
-    from pfctl.models.causal_vae import CausalVideoVAE
-    from pfctl.models.registry import build_dit
-
-    dit = build_dit("miniflux", dit_overrides, seed=seed)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in dit.parameters():  # a fresh DiT predicts exactly 0: give it a non-trivial output
-            if p.ndim >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
-    torch.nn.Module.to(dit, dtype=dtype).save_pretrained(folder / VARIANT)
-    if vae_config is not None:
-        torch.manual_seed(seed)
-        vae = torch.nn.Module.to(CausalVideoVAE(**vae_config), dtype=dtype)
-        vae.save_pretrained(folder / "causal_video_vae")
-    return sum(p.numel() for p in dit.parameters())
-
-
-def prepare_checkpoint(
-    device: torch.device, dtype: torch.dtype, vae_config: dict | None
-) -> tuple[Path, int, RandomTextEncoder]:
-    """A temporary checkpoint folder (removed at exit), the DiT's parameter count, and random text
-    features of the DiT's widths: miniFLUX on CUDA, the small ``CPU_DIT`` on the CPU."""
-    folder = Path(tempfile.mkdtemp(prefix="pfctl-bench-reference-"))
-    atexit.register(shutil.rmtree, folder, True)
-    dit_params = write_checkpoint(
-        folder, VARIANT, {} if device.type == "cuda" else CPU_DIT, vae_config, 0, dtype
-    )
-    dit_config = json.loads((folder / VARIANT / "config.json").read_text())
-    text = RandomTextEncoder(
-        128, dit_config["joint_attention_dim"], dit_config["pooled_projection_dim"], device, dtype
-    )
-    return folder, dit_params, text
-
-
-def open_reference(Reference: type, folder: Path, device: torch.device, **kwargs: object) -> object:
-    """The reference pipeline on ``folder`` (miniFLUX layout, no text encoders: the harness feeds features)."""
-    return Reference(
-        str(folder),
-        model_dtype="bf16" if device.type == "cuda" else "fp32",
-        model_name="pyramid_flux",
-        model_variant=VARIANT,
-        load_text_encoder=False,
-        **kwargs,
-    )
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def _peak_gib(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-
-
-def _timed(fn, device: torch.device):
-    _reset_peak(device)
-    t0 = time.perf_counter()
-    out = fn()
-    _sync(device)
-    return out, time.perf_counter() - t0, _peak_gib(device)
-
-
-def autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA (a fresh context each time: the reference nests one inside ours)."""
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def gib(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1f}"
-
-
-def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+from reference_setup import (  # noqa: E402
+    COVARIANCE_JITTER,
+    PROMPT,
+    TOLERANCE,
+    VARIANT,
+    autocast,
+    gib,
+    import_reference,
+    open_reference,
+    prepare_checkpoint,
+    reference_noise_recorder,
+    relative_l2,
+    synchronize,
+    time_call,
+)
 
 
 # ----------------------------------------------------------------------------- main
@@ -291,7 +114,7 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
     )
     ref.dit.to(device).eval()
     ref.vae.to(device).eval()
-    _sync(device)
+    synchronize(device)
     ref_load_s = time.perf_counter() - start
     ref.text_encoder = reference_text
 
@@ -316,10 +139,10 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
         with torch.no_grad(), autocast(device):
             return ref.decode_latent(latents.clone(), save_memory=True)
 
-    ref_runs = [_timed(run_reference, device) for _ in range(args.reference_repeats or args.repeats)]
+    ref_runs = [time_call(run_reference, device) for _ in range(args.reference_repeats or args.repeats)]
     (ref_latents, record), ref_sample_s, ref_sample_peak = ref_runs[-1]
     ref_frames, ref_decode_s, ref_decode_peak = [
-        _timed(lambda: decode_reference(ref_latents), device) for _ in range(args.repeats)
+        time_call(lambda: decode_reference(ref_latents), device) for _ in range(args.repeats)
     ][-1]
     print(f"reference: sampling {ref_sample_s:.2f} s, decode {ref_decode_s:.2f} s")
     ref.dit = ref.vae = None  # free the reference's weights before pfctl loads its own
@@ -330,7 +153,7 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
     start = time.perf_counter()
     dit = load_dit_folder(folder / VARIANT, dtype=dtype, device=device).eval()
     vae = load_vae(str(folder / "causal_video_vae"), dtype=dtype, device=device)
-    _sync(device)
+    synchronize(device)
     pf_load_s = time.perf_counter() - start
     start = time.perf_counter()  # the speed layer: attention settings, kernel checks, compiled blocks
     defaults = GenerateConfig()  # attention as pfctl generate sets it unless told otherwise
@@ -344,7 +167,7 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
     # pays the compilation
     apply_fast_paths(dit, FastPaths(compile=args.compile and cuda, dynamic=None))
     vae = with_fast_paths(vae, FastPathsConfig())
-    _sync(device)
+    synchronize(device)
     pf_setup_s = time.perf_counter() - start
     conditioning = TextConditioning.from_pair(positive, negative)
     settings = SamplingSettings(
@@ -381,7 +204,7 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
 
     pf_runs, captures = [], []
     for _ in range(args.repeats):
-        pf_runs.append(_timed(lambda: run_pfctl(generator=torch.Generator(device).manual_seed(0)), device))
+        pf_runs.append(time_call(lambda: run_pfctl(generator=torch.Generator(device).manual_seed(0)), device))
         captures.append((len(capture_s), sum(capture_s)))
         capture_s.clear()
     _, pf_sample_s, pf_sample_peak = pf_runs[-1]
@@ -393,7 +216,7 @@ def side_by_side_generate(args: argparse.Namespace, Reference: type, device: tor
     )
     with torch.no_grad():
         (_, pf_frames), pf_decode_s, pf_decode_peak = [
-            _timed(
+            time_call(
                 lambda: decode_latents(vae, ref_latents, chunking="framewise", window=1, tile=pf_tile), device
             )
             for _ in range(args.repeats)
@@ -580,7 +403,7 @@ class ReferenceTraining:
 
     def run(self, steps: int) -> list[tuple]:
         """``steps`` timed steps: (loss, seconds, peak GiB) each."""
-        return [_timed(self.step, self.device) for _ in range(steps)]
+        return [time_call(self.step, self.device) for _ in range(steps)]
 
     def close(self) -> None:
         """Free the reference's model and optimizer (and the GPU memory they held)."""
@@ -671,7 +494,7 @@ def side_by_side_train(args: argparse.Namespace, Reference: type, device: torch.
             host.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
             return float(loss.detach())
 
-        runs = [_timed(lambda i=i: pfctl_step(i), device) for i in range(len(inputs))]
+        runs = [time_call(lambda i=i: pfctl_step(i), device) for i in range(len(inputs))]
         host_ms = [statistics.median(1e3 * h[j] for h in host[timed]) for j in range(3)]
         profiled = (
             kernel_breakdown(lambda: pfctl_step(len(inputs) - 1), top=8) if cuda and args.profile else None

@@ -667,10 +667,11 @@ def reference_rows(root: Path, config: Any, setting: Setting, ours: dict[str, st
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench_reference as br
+    from reference_setup import import_reference, prepare_checkpoint
 
     cfg, device = config.train, torch.device("cuda" if setting.cuda else "cpu")
-    Reference, _ = br.import_reference(root.resolve())
-    folder, _, text = br.prepare_checkpoint(device, torch.float32, None)
+    Reference, _ = import_reference(root.resolve())
+    folder, _, text = prepare_checkpoint(device, torch.float32, None)
     inputs: list[dict] = []
     ref = br.ReferenceTraining(
         Reference, folder, text, device, frames=setting.frames, latent_hw=(setting.height, setting.width),

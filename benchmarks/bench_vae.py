@@ -29,7 +29,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from bench_generate import REAL_VAE  # noqa: E402
-from bench_reference import _sync, import_reference  # noqa: E402
+from reference_setup import import_reference, synchronize  # noqa: E402
 
 from pfctl.models.fast import FastPaths, apply_fast_paths  # noqa: E402
 
@@ -105,7 +105,7 @@ def measure(fn, device: torch.device, repeats: int) -> tuple[torch.Tensor, float
     """Warm-up once, then the best of ``repeats`` timed runs and the peak memory over them (the
     previous run's output is released first, so it is not counted twice)."""
     out = fn()
-    _sync(device)
+    synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     best = float("inf")
@@ -113,7 +113,7 @@ def measure(fn, device: torch.device, repeats: int) -> tuple[torch.Tensor, float
         del out
         t0 = time.perf_counter()
         out = fn()
-        _sync(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     return out, best, peak

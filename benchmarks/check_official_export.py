@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_reference import (  # noqa: E402
+from reference_setup import (  # noqa: E402
     CPU_DIT,
     PROMPT,
     TOLERANCE,
