@@ -8,11 +8,14 @@ import sys
 import traceback
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from pfctl.errors import EXIT_CHECK_FAILED, EXIT_USAGE, PfctlError
+
+if TYPE_CHECKING:
+    from pfctl.config.schema import RecipeConfig
 
 STATE = {"debug": os.environ.get("PFCTL_DEBUG", "") not in ("", "0")}
 
@@ -111,7 +114,9 @@ def _is_collective_failure(exc: BaseException) -> bool:
     )
 
 
-def resolve_config(recipe: str | None, overrides: list[str] | None, flags: Mapping[str, Any] | None = None):
+def resolve_config(
+    recipe: str | None, overrides: list[str] | None, flags: Mapping[str, Any] | None = None
+) -> RecipeConfig:
     """Recipe + ``--set`` + flags → validated :class:`pfctl.config.schema.RecipeConfig`."""
     from pfctl.config import load_config
 

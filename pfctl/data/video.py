@@ -35,6 +35,7 @@ from pfctl.errors import ConfigError
 
 if TYPE_CHECKING:
     from pfctl.data.annotations import Item
+    from pfctl.models.vae import VideoVAE
 
 DECODE_CHUNK = 16
 """Frames decoded and resized at a time (bounds memory for high-resolution sources)."""
@@ -97,7 +98,7 @@ class FrameContract:
     table: tuple[int, ...]
 
     @classmethod
-    def from_vae(cls, vae, max_frames: int) -> FrameContract:
+    def from_vae(cls, vae: VideoVAE, max_frames: int) -> FrameContract:
         return cls(tuple(int(vae.valid_num_frames(n)) for n in range(max_frames + 1)))
 
     @classmethod

@@ -7,7 +7,10 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 _STATE: dict[str, Any] = {"is_main": True, "rank": 0, "format": "auto"}
 
@@ -35,7 +38,7 @@ def use_rich() -> bool:
     return sys.stdout.isatty() and os.environ.get("TERM") != "dumb"
 
 
-def console():  # -> rich.console.Console
+def console() -> Console:
     from rich.console import Console
 
     return Console(highlight=False, soft_wrap=True, force_terminal=None if use_rich() else False)

@@ -98,7 +98,9 @@ class TextConditioning:
         negative = None if self.negative is None else self.negative.to(device)
         return TextConditioning(self.positive.to(device), negative)
 
-    def model_inputs(self, cfg: bool, device, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def model_inputs(
+        self, cfg: bool, device: torch.device | str, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(embeds, mask, pooled)`` for the DiT; with CFG the batch is ``[negative, positive]``."""
         text = self.positive
         if cfg:

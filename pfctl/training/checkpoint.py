@@ -149,7 +149,8 @@ def rng_state(noise_generator: torch.Generator | None) -> tuple[dict[str, torch.
 
 def restore_rng_state(
     tensors: dict[str, torch.Tensor], meta: dict[str, Any], noise_generator: torch.Generator | None
-):
+) -> None:
+    """The Python, NumPy and torch (CPU, CUDA) random states and the noise generator's, as a checkpoint saved them."""
     version, internal, gauss = meta["python"]
     random.setstate((version, tuple(internal), gauss))
     name, key, pos, has_gauss, cached = meta["numpy"]

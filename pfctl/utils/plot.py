@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
-    from PIL import Image
+    from PIL import Image, ImageFont
 
 #: line colours, in order (distinguishable, also in grey)
 PALETTE = (
@@ -25,7 +25,7 @@ PALETTE = (
 INK, GRID, PAPER = (20, 20, 20), (225, 225, 225), (255, 255, 255)
 
 
-def builtin_font(size: int):  # -> PIL.ImageFont
+def builtin_font(size: int) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
     """Pillow's built-in font at ``size`` pixels (one fixed bitmap size before Pillow 10.1)."""
     from PIL import ImageFont
 

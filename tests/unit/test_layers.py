@@ -144,3 +144,26 @@ def test_modules_and_functions_stay_small() -> None:
                 if length > 80:
                     too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {length} lines")
     assert not too_long, "over the size limits (modules 800 lines, functions 80):\n" + "\n".join(too_long)
+
+
+def _public_functions(tree: ast.Module) -> list[ast.FunctionDef]:
+    """A module's public functions and the public methods of its public classes."""
+    found = []
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            found += [m for m in node.body if isinstance(m, ast.FunctionDef)]
+        elif isinstance(node, ast.FunctionDef):
+            found.append(node)
+    return [f for f in found if not f.name.startswith("_")]
+
+
+def test_public_functions_are_type_hinted() -> None:
+    """Every parameter (but ``self`` / ``cls``) and the return of every public function and method."""
+    missing = []
+    for path in ROOT.rglob("*.py"):
+        for fn in _public_functions(ast.parse(path.read_text())):
+            params = [a for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs if a.arg not in ("self", "cls")]
+            unhinted = [a.arg for a in params if a.annotation is None] + ["return"] * (fn.returns is None)
+            if unhinted:
+                missing.append(f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name}: {', '.join(unhinted)}")
+    assert not missing, "public functions without type hints:\n" + "\n".join(missing)
