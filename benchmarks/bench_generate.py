@@ -28,7 +28,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -170,7 +170,8 @@ def print_call_times(times: dict) -> None:
         )
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The command line (sizes default to the device: miniFLUX at 384p on CUDA, the tiny DiT at 64x64 on the CPU)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -222,7 +223,80 @@ def main() -> None:
         help="CUDA graphs: time every DiT call of the last video on the GPU (replays, warm-ups, captures)",
     )
     parser.add_argument("--json", default=None, help="also write the results here")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def generate_overrides(
+    args: argparse.Namespace, device: torch.device, out: Path, size: tuple[int, int], temp: int, steps: tuple
+) -> list[str]:
+    """The ``--set`` overrides of the timed ``pfctl generate`` run."""
+    cuda = device.type == "cuda"
+    width, height = size
+    overrides = [
+        f"runtime.device={device.type}",
+        f"generate.output_dir={out}",
+        f"generate.width={width}",
+        f"generate.height={height}",
+        f"generate.temp={temp}",
+        f"generate.num_inference_steps={steps[0]}",
+        f"generate.video_num_inference_steps={steps[1]}",
+        f"generate.num_videos={args.videos}",
+        f"generate.decode_window={args.decode_window}",
+        f"generate.decode_tile={args.decode_tile}",
+        f"generate.dtype={'bf16' if cuda else 'fp32'}",
+        f"generate.compile={str(args.compile).lower()}",
+        f"generate.offload={str(args.offload).lower()}",
+        f"generate.cuda_graphs={str(not args.no_cuda_graphs).lower()}",
+        f"generate.attention={args.attention}",
+        f"generate.skip_future_keys={str(args.skip_future_keys).lower()}",
+        "generate.seed=0",
+        # the mp4 write is not timed (as the reference's figures, it is not part of a video's seconds); the
+        # random-weight frames are noise, slow to compress on one thread
+        "generate.encoder_threads=0",
+    ]
+    if args.row_group_min_tokens is not None:
+        overrides.append(f"generate.row_group_min_tokens={args.row_group_min_tokens}")
+    return overrides
+
+
+def profile_one_video(overrides: list[str], components: Any) -> dict:
+    """GPU kernel time by kind of one more video of the same run, under the profiler."""
+    from kernel_profile import kernel_breakdown
+
+    from pfctl.config import load_config
+    from pfctl.sampling.generate import run_generate
+
+    once = load_config(None, [*overrides, "generate.num_videos=1"])
+    return kernel_breakdown(
+        lambda: run_generate(once, ["a red circle moving left"], components=components), repeats=1, top=15
+    )
+
+
+def print_result(result: dict) -> None:
+    """The timing table, then the per-call times and the kernel profile when measured."""
+    temp, dit_calls = result["temp"], result["dit_calls_cfg_batch2"]
+    dit_params, vae_params = result["dit_params"], result["vae_params"]
+    print()
+    print(f"pfctl generate benchmark — {result['device']}, {result['preset']} ({dit_params / 1e9:.2f}B) + causal VAE "
+          f"({vae_params / 1e6:.0f}M), {result['dtype']}, CUDA graphs {'on' if result['cuda_graphs'] else 'off'}, "
+          f"compile {'on' if result['compile'] else 'off'}")  # fmt: skip
+    print(f"{'size':>10} {'temp':>5} {'frames':>7} {'DiT calls':>10} {'sample s':>9} {'decode s':>9} "
+          f"{'s/video':>8} {'ms/call':>8} {'peak GiB':>9}")  # fmt: skip
+    peak = f"{result['peak_memory_gib']:.1f}" if result["peak_memory_gib"] is not None else "-"
+    print(f"{result['size']:>10} {temp:>5} {result['frames']:>7} {dit_calls:>10} {result['sample_s']:>9.2f} "
+          f"{result['decode_s']:>9.2f} {result['seconds_per_video']:>8.2f} "
+          f"{1000 * result['sample_s'] / dit_calls:>8.1f} {peak:>9}")  # fmt: skip
+    if "call_times" in result:
+        print_call_times(result["call_times"])
+    if "profile" in result:
+        from kernel_profile import print_breakdown
+
+        print_breakdown("one more video under the profiler (sampling and decode)", result["profile"])
+
+
+
+def main() -> None:
+    args = parse_args()
 
     import pfctl.models.attention_layout as attention_layout
     from pfctl.config import load_config
@@ -249,30 +323,7 @@ def main() -> None:
     build_s = time.perf_counter() - t0
 
     out = Path(tempfile.mkdtemp(prefix="pfctl-bench-generate-"))
-    overrides = [
-        f"runtime.device={device.type}",
-        f"generate.output_dir={out}",
-        f"generate.width={width}",
-        f"generate.height={height}",
-        f"generate.temp={temp}",
-        f"generate.num_inference_steps={steps[0]}",
-        f"generate.video_num_inference_steps={steps[1]}",
-        f"generate.num_videos={args.videos}",
-        f"generate.decode_window={args.decode_window}",
-        f"generate.decode_tile={args.decode_tile}",
-        f"generate.dtype={'bf16' if cuda else 'fp32'}",
-        f"generate.compile={str(args.compile).lower()}",
-        f"generate.offload={str(args.offload).lower()}",
-        f"generate.cuda_graphs={str(not args.no_cuda_graphs).lower()}",
-        f"generate.attention={args.attention}",
-        f"generate.skip_future_keys={str(args.skip_future_keys).lower()}",
-        "generate.seed=0",
-        # the mp4 write is not timed (as the reference's figures, it is not part of a video's seconds); the
-        # random-weight frames are noise, slow to compress on one thread
-        "generate.encoder_threads=0",
-    ]
-    if args.row_group_min_tokens is not None:
-        overrides.append(f"generate.row_group_min_tokens={args.row_group_min_tokens}")
+    overrides = generate_overrides(args, device, out, (width, height), temp, steps)
     config = load_config(None, overrides)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -315,31 +366,11 @@ def main() -> None:
         calls_per_video = len(timed) // args.videos
         result["call_times"] = call_times(timed[-calls_per_video:])
     if args.profile and cuda:
-        from kernel_profile import kernel_breakdown
-
-        once = load_config(None, [*overrides, "generate.num_videos=1"])
-        result["profile"] = kernel_breakdown(
-            lambda: run_generate(once, ["a red circle moving left"], components=components), repeats=1, top=15
-        )
+        result["profile"] = profile_one_video(overrides, components)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 
-    print()
-    print(f"pfctl generate benchmark — {result['device']}, {preset} ({dit_params / 1e9:.2f}B) + causal VAE "
-          f"({vae_params / 1e6:.0f}M), {result['dtype']}, CUDA graphs {'on' if result['cuda_graphs'] else 'off'}, "
-          f"compile {'on' if result['compile'] else 'off'}")  # fmt: skip
-    print(f"{'size':>10} {'temp':>5} {'frames':>7} {'DiT calls':>10} {'sample s':>9} {'decode s':>9} "
-          f"{'s/video':>8} {'ms/call':>8} {'peak GiB':>9}")  # fmt: skip
-    peak = f"{result['peak_memory_gib']:.1f}" if result["peak_memory_gib"] is not None else "-"
-    print(f"{result['size']:>10} {temp:>5} {result['frames']:>7} {dit_calls:>10} {result['sample_s']:>9.2f} "
-          f"{result['decode_s']:>9.2f} {result['seconds_per_video']:>8.2f} "
-          f"{1000 * result['sample_s'] / dit_calls:>8.1f} {peak:>9}")  # fmt: skip
-    if "call_times" in result:
-        print_call_times(result["call_times"])
-    if "profile" in result:
-        from kernel_profile import print_breakdown
-
-        print_breakdown("one more video under the profiler (sampling and decode)", result["profile"])
+    print_result(result)
 
 
 if __name__ == "__main__":
