@@ -56,7 +56,6 @@ import json
 import logging
 import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -67,10 +66,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-PEAK_BF16 = {"H200": 790e12, "H100": 989.5e12, "A100": 312e12}
-"""Dense bf16 matrix-product rates: the H200 figure is the one measured on the benchmark machine
-(a large bf16 matmul), not the datasheet 989.5 TFLOP/s."""
-STEADY_WINDOW, STEADY_WITHIN = 5, 0.10
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its neighbours: the report, graph events
+
+from train_report import Measured, reference_rows, report_rows
 
 
 def dit_flops_per_forward(cfg: dict, records: list[dict], text_len: int) -> float:
@@ -105,29 +103,21 @@ def counting_syncs(step: Callable[[], Any]) -> tuple[Any, int]:
     return result, sum("synchronizing" in str(w.message) for w in caught)
 
 
-def time_to_steady(times: list[float], steady: float) -> tuple[int, float]:
-    """(1-based step, seconds from the first step's start to its end) of the first step from which on the
-    median of the last :data:`STEADY_WINDOW` step times stays within :data:`STEADY_WITHIN` of ``steady`` (the
-    steady step time: the timed steps' median)."""
-    near = [
-        abs(statistics.median(times[max(0, i + 1 - STEADY_WINDOW) : i + 1]) - steady) <= STEADY_WITHIN * steady
-        for i in range(len(times))
-    ]
-    first = len(times)
-    while first > 0 and near[first - 1]:
-        first -= 1
-    step = min(first + 1, len(times))
-    return step, sum(times[:step])
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
+    add_run_options(parser.add_argument_group("the run"))
+    add_report_options(parser.add_argument_group("what to report"))
+    return parser.parse_args(argv)
+
+
+def add_run_options(run: argparse._ArgumentGroup) -> None:
+    """The run: recipe and overrides, processes, sizes, the speed options, the reference beside it."""
+    run.add_argument(
         "--recipe", default=None, help="a shipped recipe (or a recipe file) to run as users do"
     )
-    parser.add_argument(
+    run.add_argument(
         "--set",
         dest="overrides",
         action="append",
@@ -135,81 +125,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="config override (repeatable), applied after the recipe and the options below",
     )
-    parser.add_argument(
+    run.add_argument(
         "--processes",
         type=int,
         default=None,
         help="processes (one per GPU); default: every visible GPU with --recipe, else 1",
     )
-    parser.add_argument(
+    run.add_argument(
         "--workdir",
         default=None,
         help="the cache and run folder every process shares (default: a temporary one; "
         "needed when this script is started by a launcher)",
     )
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--preset", default=None, help="DiT preset (default: miniflux on CUDA, tiny on CPU)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps (after the warm-up)")
-    parser.add_argument("--warmup", type=int, default=None)
-    parser.add_argument("--frames", type=int, default=None, help="latent frames per clip (M)")
-    parser.add_argument("--height", type=int, default=None, help="latent height")
-    parser.add_argument("--width", type=int, default=None, help="latent width")
-    parser.add_argument(
+    run.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    run.add_argument("--preset", default=None, help="DiT preset (default: miniflux on CUDA, tiny on CPU)")
+    run.add_argument("--steps", type=int, default=None, help="timed steps (after the warm-up)")
+    run.add_argument("--warmup", type=int, default=None)
+    run.add_argument("--frames", type=int, default=None, help="latent frames per clip (M)")
+    run.add_argument("--height", type=int, default=None, help="latent height")
+    run.add_argument("--width", type=int, default=None, help="latent width")
+    run.add_argument(
         "--batch", type=int, default=None, help="train.batch_size (default: 4 / the recipe's)"
     )
-    parser.add_argument("--gradient-checkpointing", action="store_true")
-    parser.add_argument("--json", default=None, help="also write the results here")
-    parser.add_argument("--profile", action="store_true", help="print the top ops of one profiled step")
-    parser.add_argument("--progress", action="store_true", help="print each step's time as it ends")
-    parser.add_argument(
-        "--host-profile",
-        type=int,
-        default=0,
-        metavar="N",
-        help="sample the Python threads' stacks every 20 ms during the steps and print the N functions that "
-        "took the most host time per phase (step 1, the rest of the warm-up, the timed steps) and thread",
-    )
-    parser.add_argument(
-        "--host-phase-ends",
-        default="",
-        metavar="N,M",
-        help="with --host-profile: the warm-up steps after which a phase of its own ends (e.g. 8: each input's "
-        "first occurrence on one GPU, before the recordings)",
-    )
-    parser.add_argument(
-        "--profile-step",
-        type=int,
-        default=0,
-        metavar="N",
-        help="run step N (1-based, e.g. a warm-up step that meets a new input) under the profiler and print its "
-        "top operators by GPU and by host time",
-    )
-    parser.add_argument("--no-checkpoint", action="store_true", help="skip the timed checkpoint save")
-    parser.add_argument(
-        "--inductor",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an experiment: set torch._inductor.config KEY (dotted, e.g. triton.slow_path_cudagraph_asserts) "
-        "to the Python literal VALUE in this process before the run (repeatable; printed in the report)",
-    )
-    parser.add_argument(
-        "--compile-times", action="store_true", help="print where the compilation's time went (Dynamo's table)"
-    )
-    parser.add_argument(
+    run.add_argument("--gradient-checkpointing", action="store_true")
+    run.add_argument("--no-checkpoint", action="store_true", help="skip the timed checkpoint save")
+    run.add_argument(
         "--attention",
         default=None,
         choices=["auto", "efficient", "cudnn"],
         help="train.attention (default: efficient / the recipe's)",
     )
-    parser.add_argument("--compile", action="store_true", help="train.compile (compiled DiT blocks)")
-    parser.add_argument(
+    run.add_argument("--compile", action="store_true", help="train.compile (compiled DiT blocks)")
+    run.add_argument(
         "--cuda-graphs",
         action="store_true",
         help="train.cuda_graphs (compiled blocks as CUDA graphs; with --compile)",
     )
-    parser.add_argument("--skip-future-keys", action="store_true", help="train.skip_future_keys")
-    parser.add_argument(
+    run.add_argument("--skip-future-keys", action="store_true", help="train.skip_future_keys")
+    run.add_argument(
         "--reference",
         type=Path,
         default=None,
@@ -217,7 +170,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also time the reference's own training step (a jy0205/Pyramid-Flow clone, e.g. "
         "third_party/Pyramid-Flow) in the same configuration, after pfctl's (one process)",
     )
-    return parser.parse_args(argv)  # fmt: skip
+
+
+def add_report_options(report: argparse._ArgumentGroup) -> None:
+    """What is measured and printed beyond the report: progress, profiles, compile times, JSON."""
+    report.add_argument("--json", default=None, help="also write the results here")
+    report.add_argument("--profile", action="store_true", help="print the top ops of one profiled step")
+    report.add_argument("--progress", action="store_true", help="print each step's time as it ends")
+    report.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="sample the Python threads' stacks every 20 ms during the steps and print the N functions that "
+        "took the most host time per phase (step 1, the rest of the warm-up, the timed steps) and thread",
+    )
+    report.add_argument(
+        "--host-phase-ends",
+        default="",
+        metavar="N,M",
+        help="with --host-profile: the warm-up steps after which a phase of its own ends (e.g. 8: each input's "
+        "first occurrence on one GPU, before the recordings)",
+    )
+    report.add_argument(
+        "--profile-step",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run step N (1-based, e.g. a warm-up step that meets a new input) under the profiler and print its "
+        "top operators by GPU and by host time",
+    )
+    report.add_argument(
+        "--inductor",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an experiment: set torch._inductor.config KEY (dotted, e.g. triton.slow_path_cudagraph_asserts) "
+        "to the Python literal VALUE in this process before the run (repeatable; printed in the report)",
+    )
+    report.add_argument(
+        "--compile-times", action="store_true", help="print where the compilation's time went (Dynamo's table)"
+    )
 
 
 def is_cuda(args: argparse.Namespace) -> bool:
@@ -461,20 +454,6 @@ def run_step(
     out.metrics = metrics
 
 
-def across_processes(values: list[float], op: str) -> list[float]:
-    """``values`` reduced over every process (``max`` or ``mean``); as they are in a lone process."""
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return values
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-    t = t if op == "max" else t / dist.get_world_size()
-    return t.tolist()
-
-
 def parameter_counts(trainer: Any) -> tuple[int, int]:
     """(DiT parameters N, those whose products activation checkpointing recomputes: the checkpointed blocks',
     less their narrowing products' under ``selective_narrow``, which keeps those products' outputs)."""
@@ -541,17 +520,16 @@ def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tup
     bypasses = CacheBypasses() if args.compile_times else None
     trainer = Trainer(config)
     trainer.setup()
-    dims = dit_dims(config)
     params, recomputed = parameter_counts(trainer)
     if args.host_profile:
         from host_sampler import HostSampler
 
         with HostSampler() as sampler:
-            t = run_steps(trainer, setting, dims, sampler.phase)
+            t = run_steps(trainer, setting, dit_dims(config), sampler.phase)
         if int(os.environ.get("RANK", "0")) == 0:
             print(sampler.report(args.host_profile))
     else:
-        t = run_steps(trainer, setting, dims)
+        t = run_steps(trainer, setting, dit_dims(config))
     if setting.cuda:
         torch.cuda.synchronize()
     tic = time.perf_counter()
@@ -564,139 +542,27 @@ def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tup
     if args.profile:
         profile_step(trainer, setting.cuda)
     if bypasses is not None:  # --compile-times
-        from torch._dynamo.utils import compile_times, counters
-
-        print(compile_times(repr="str", aggregate=True))
-        caches = {f"{group}.{k}": v for group in ("aot_autograd", "inductor") for k, v in counters[group].items()}
-        print("compile caches:", {k: v for k, v in sorted(caches.items()) if "cache" in k})
-        for reason, times in bypasses.reasons.items():
-            print(f"AOTAutograd cache ({times}x): {reason}")
-        bypasses.close()
-    if not setting.cuda:
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-    device_name = torch.cuda.get_device_name() if setting.cuda else "cpu"
-    world = trainer.runtime.world_size
-    trainer.close()
-
-    n = len(t.step)
-    step_max = across_processes(t.step, "max")
-    host_max = across_processes([h - w for h, w in zip(t.host, t.wait, strict=True)], "max")
-    load_max = across_processes(t.load, "max")
-    tokens = across_processes([float(x) for x in t.tokens], "mean")
-    analytic = across_processes(t.analytic, "mean")
-    timed = range(setting.warmup, n)
-    if setting.cuda:  # the trainer resets the peak after every step: the maximum of the steps' peaks
-        peaks = across_processes(t.peak, "max")
-        warm = max(peaks[: setting.warmup], default=0.0)
-        peak = f"{max(peaks[i] for i in timed):.2f} GiB allocated ({warm:.2f} in the warm-up)"
-    else:
-        peak = f"{across_processes([rss], 'max')[0]:.2f} GiB RSS"
-    step_s = statistics.median(step_max[i] for i in timed)
-    seconds = sum(step_max[i] for i in timed)
-    tok_s = sum(tokens[i] for i in timed) / seconds
-    steady_step, steady_s = time_to_steady(step_max, step_s)
-    rate = next((v for k, v in PEAK_BF16.items() if k in device_name), None) if setting.cuda else None
-
-    def util(flops_per_token: float) -> str:
-        achieved = flops_per_token * tok_s
-        return (
-            f"{achieved / rate:.1%} of {rate / 1e12:.0f} TFLOP/s bf16 dense"
-            if rate
-            else f"n/a ({achieved / 1e12:.3g} TFLOP/s, no peak rate known)"
-        )
-
-    cfg = trainer.cfg
-    return [
-        ("device", f"{device_name} x {world}"),
-        ("recipe", args.recipe or "(built-in)"),
-        ("overrides", " ".join(args.overrides) or "-"),
-        ("inductor options", " ".join(args.inductor) or "-"),
-        ("model / params", f"{config.model.dit_preset or config.model.path} / {params / 1e6:.1f} M"),
-        ("latents (T x H x W)", f"{setting.frames} x {setting.height} x {setting.width}"),
-        ("batch per rank", f"{cfg.batch_size} clips x {cfg.grad_accum} micro-steps, sync group {cfg.video_sync_group}"),
-        ("precision", trainer.runtime.mixed_precision),
-        ("fsdp / gradient checkpointing", f"{cfg.fsdp} / {cfg.gradient_checkpointing_ratio if cfg.gradient_checkpointing else 'off'}"),
-        ("attention / compile / cuda graphs (settled)", f"{cfg.attention} / {cfg.compile} / {cfg.cuda_graphs}"),
-        ("steps timed (warmup)", f"{setting.steps} ({setting.warmup})"),
-        ("steady step time (median)", f"{step_s * 1e3:.1f} ms"),
-        ("time to steady state", f"{steady_s:.1f} s (step {steady_step}: median of {STEADY_WINDOW} within {STEADY_WITHIN:.0%})"),
-        ("image tokens / step / GPU", f"{statistics.mean(tokens[i] for i in timed):.0f}"),
-        ("image tokens/s per GPU", f"{tok_s:,.0f}"),
-        ("MFU (6·N·image tokens)", util(6 * params)),
-        ("with recomputation (+2·N_ckpt·tokens)", util(6 * params + 2 * recomputed) if recomputed else "no recomputation"),
-        ("analytic model TFLOP/s per GPU (attention, text)", f"{sum(analytic[i] for i in timed) / seconds / 1e12:.3g}"),
-        # on CUDA train_step returns once the optimizer update is queued (the GPU may still run it)
-        ("host busy fraction of the step", f"{statistics.median(host_max[i] / step_max[i] for i in timed):.0%}"),
-        ("batch loading / step (host)", f"{statistics.median(load_max[i] for i in timed) * 1e3:.1f} ms"),
-        ("Python GC: step 1 / rest of warm-up / timed", gc_row(t, setting.warmup)),
-        ("blocking host syncs / step", "n/a (counted on CUDA, in a warm-up step)" if t.syncs is None else str(t.syncs)),
-        ("peak memory (timed steps)", peak),
-        ("checkpoint save (not timed above)", "skipped (--no-checkpoint)" if args.no_checkpoint else f"{checkpoint_s:.2f} s in the loop, written after {written_s:.2f} s"),
-        ("last loss", f"{t.metrics['loss']:.4f}"),
-        ("step times (s, in order)", " ".join(f"{x:.2f}" for x in step_max)),
-        ("CUDA graphs in the timed steps", graph_row(t, setting.warmup)),
-    ]  # fmt: skip
-
-
-def graph_row(t: Timings, warmup: int) -> str:
-    """The graph trees' calls in the timed steps by outcome (this process; every one a replay when all is well),
-    and the steps in which any call was not."""
-    from graph_events import describe
-
-    total = sum(t.graphs[warmup:], collections.Counter())
-    if not total:
-        return "none (no CUDA graphs)"
-    off = [i + 1 for i in range(warmup, len(t.graphs)) if t.graphs[i]["replayed"] != t.graphs[i]["calls"]]
-    return describe(total) + (f"; steps with calls not replayed: {' '.join(map(str, off))}" if off else "")
-
-
-def gc_row(t: Timings, warmup: int) -> str:
-    """Seconds the garbage collector ran in step 1, the rest of the warm-up and the timed steps (this process),
-    and its full passes."""
-    parts = [slice(0, 1), slice(1, warmup), slice(warmup, None)]
-    seconds = " / ".join(f"{sum(t.gc[p]):.2f}" for p in parts)
-    return f"{seconds} s ({' / '.join(str(sum(t.gc_full[p])) for p in parts)} full passes)"
-
-
-def reference_rows(root: Path, config: Any, setting: Setting, ours: dict[str, str]) -> list[tuple[str, str]]:
-    """The reference's own step (``bench_reference.ReferenceTraining``) in the run's configuration: its batch,
-    latents, sync group (rank 0), checkpointing ratio and gradient accumulation (``grad_accum`` micro-batches a
-    step, as its training loop runs them), the same random-weight DiT architecture; compared by image tokens
-    per second and peak memory."""
-    import torch
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import bench_reference as br
-    from reference_setup import import_reference, prepare_checkpoint
-
-    cfg, device = config.train, torch.device("cuda" if setting.cuda else "cpu")
-    Reference, _ = import_reference(root.resolve())
-    folder, _, text = prepare_checkpoint(device, torch.float32, None)
-    inputs: list[dict] = []
-    ref = br.ReferenceTraining(
-        Reference, folder, text, device, frames=setting.frames, latent_hw=(setting.height, setting.width),
-        group=cfg.video_sync_group, batch=cfg.batch_size,
-        checkpointing_ratio=cfg.gradient_checkpointing_ratio if cfg.gradient_checkpointing else None,
-        micro_batches=cfg.grad_accum,
+        print_compile_times(bypasses)
+    run = Measured(
+        t=t, params=params, recomputed=recomputed, checkpoint_s=checkpoint_s, written_s=written_s,
+        rss_gib=None if setting.cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # KiB
+        device_name=torch.cuda.get_device_name() if setting.cuda else "cpu",
+        world=trainer.runtime.world_size, precision=trainer.runtime.mixed_precision, cfg=trainer.cfg,
     )  # fmt: skip
-    if setting.cuda:
-        torch.cuda.reset_peak_memory_stats()
-    ref.record(inputs, [])
-    runs = ref.run(setting.warmup + setting.steps)
-    peak = f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated" if setting.cuda else "n/a (CPU)"
-    ref.close()
+    trainer.close()
+    return report_rows(run, config, setting, args)
 
-    timed = range(setting.warmup, len(runs))
-    step_s = statistics.median(runs[i][1] for i in timed)
-    timed_inputs = inputs[setting.warmup * cfg.grad_accum :]  # one DiT call per micro-batch
-    tok_s = sum(br.image_tokens(x["sample"]) for x in timed_inputs) / sum(runs[i][1] for i in timed)
-    ours_tok_s = float(ours["image tokens/s per GPU"].replace(",", ""))
-    return [
-        (f"reference step (median, {cfg.grad_accum} micro-batch(es))", f"{step_s * 1e3:.1f} ms"),
-        ("reference image tokens/s", f"{tok_s:,.0f}"),
-        ("reference peak memory", peak),
-        ("pfctl / reference (image tokens/s)", f"{ours_tok_s / tok_s:.2f}x"),
-    ]
+
+def print_compile_times(bypasses: CacheBypasses) -> None:
+    """Dynamo's compile times, the AOTAutograd / Inductor cache counters and why AOTAutograd's cache was bypassed."""
+    from torch._dynamo.utils import compile_times, counters
+
+    print(compile_times(repr="str", aggregate=True))
+    caches = {f"{group}.{k}": v for group in ("aot_autograd", "inductor") for k, v in counters[group].items()}
+    print("compile caches:", {k: v for k, v in sorted(caches.items()) if "cache" in k})
+    for reason, times in bypasses.reasons.items():
+        print(f"AOTAutograd cache ({times}x): {reason}")
+    bypasses.close()
 
 
 def set_inductor_options(options: list[str]) -> None:

@@ -18,8 +18,9 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_train.py"
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_train", SCRIPT)
+def _bench(name: str = "bench_train"):
+    """The script (or its neighbour ``name``) as a module."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPT.with_name(f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
@@ -27,16 +28,16 @@ def _bench():
 
 
 def test_time_to_steady_is_the_first_step_from_which_the_rolling_median_stays_near_the_steady_time() -> None:
-    bench = _bench()
+    report = _bench("train_report")
     # 3 slow steps (compilation), then ~1 s: the median of the last 5 is within 10% of 1.0 from step 6 on
     times = [30.0, 20.0, 10.0, 1.0, 1.05, 0.98, 1.0, 1.02, 0.99, 1.0, 1.01, 1.0]
-    assert bench.time_to_steady(times, 1.0) == (6, pytest.approx(sum(times[:6])))
-    assert bench.time_to_steady([1.0] * 4, 1.0) == (1, 1.0)
-    assert bench.time_to_steady([5.0, 4.0, 3.0, 2.0, 1.0, 1.0], 1.0) == (6, pytest.approx(16.0))
+    assert report.time_to_steady(times, 1.0) == (6, pytest.approx(sum(times[:6])))
+    assert report.time_to_steady([1.0] * 4, 1.0) == (1, 1.0)
+    assert report.time_to_steady([5.0, 4.0, 3.0, 2.0, 1.0, 1.0], 1.0) == (6, pytest.approx(16.0))
     # a warm-up longer than half the run, with a stretch of moderately slow steps (each input's first
     # occurrence) between slower ones (recording): steady only once the last slow stretch is over
     times = [60.0, 3.0, 2.5, 2.0, 2.5, 2.0, 5.0, 5.0, 4.5, 5.0, 4.0, 0.3, 0.3, 0.3, 0.3]
-    assert bench.time_to_steady(times, 0.3) == (14, pytest.approx(sum(times[:14])))
+    assert report.time_to_steady(times, 0.3) == (14, pytest.approx(sum(times[:14])))
 
 
 def test_gpu_busy_time_counts_overlapping_and_nested_device_events_once() -> None:
@@ -93,7 +94,7 @@ def test_bench_counts_the_garbage_collectors_pauses() -> None:
     gc.collect()  # after the with: not counted
     assert pauses.full == 1
     timings = bench.Timings(gc=[0.5, 0.25, 0.25, 0.0], gc_full=[1, 0, 1, 0])
-    assert bench.gc_row(timings, 2) == "0.50 / 0.25 / 0.25 s (1 / 0 / 1 full passes)"
+    assert _bench("train_report").gc_row(timings, 2) == "0.50 / 0.25 / 0.25 s (1 / 0 / 1 full passes)"
 
 
 def test_graph_events_count_each_call_by_where_it_ends_and_put_the_methods_back(
@@ -150,7 +151,7 @@ def test_graph_events_count_each_call_by_where_it_ends_and_put_the_methods_back(
     )
     assert graph_events.describe(graph_events.GraphEvents().counts) == ""
     bench = _bench()
-    assert bench.graph_row(bench.Timings(graphs=[first, second, second]), 1) == (
+    assert _bench("train_report").graph_row(bench.Timings(graphs=[first, second, second]), 1) == (
         "6 calls: 4 replayed, 2 recorded, 0 warm-up runs, 0 without a graph; 2 of new sizes; "
         "failed checks: CudagraphManagedIdxMismatch 2; steps with calls not replayed: 2 3"
     )
