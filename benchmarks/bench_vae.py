@@ -197,7 +197,7 @@ def top_kernels(fn, n: int = 12) -> dict:
     return {"kernel_s": total / 1e6, "top": rows}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--reference", type=Path, default=None, help="a jy0205/Pyramid-Flow checkout")
@@ -216,110 +216,112 @@ def main() -> None:
         help="print the top CUDA kernels of the first tiled decode and encode of each work",
     )
     p.add_argument("--json", type=Path, default=None)
-    args = p.parse_args()
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model, config = build(device, dtype, args.small)
-    ref = build_reference(args.reference, model, config, device, dtype) if args.reference else None
+    return p.parse_args()
+
+
+class Run:
+    """One benchmark run: pfctl's VAE with its plain and fused modules (:mod:`pfctl.models.fast.vae_norm`,
+    swapped per layout), the reference's when given, and the rows and profiles measured so far (printed and
+    written to ``--json`` as each is done, so a run cut short by a time limit keeps them)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.device = args, torch.device(args.device)
+        self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.model, config = build(self.device, self.dtype, args.small)
+        self.ref = build_reference(args.reference, self.model, config, self.device, self.dtype) if args.reference else None
+        self.plain = {m: type(m) for m in self.model.modules()}
+        apply_fast_paths(self.model, FastPaths())
+        self.fused = {m: type(m) for m in self.model.modules()}
+        self.results: list[dict] = []
+        self.profiles: dict[str, dict] = {}
+
+    def add(self, row: dict) -> None:
+        self.results.append(row)
+        report(row, self.results, self.profiles, self.args.json)
+
+    def pfctl_layouts(self, work: str, x: torch.Tensor, window: int, tile: int | None) -> dict:
+        """pfctl on ``x`` in each ``--layouts`` layout; each layout's rows compared with the contiguous one."""
+        outputs = {}
+        for layout in self.args.layouts.split(","):
+            self.model.use_channels_last(layout.startswith("channels_last"))
+            for module, cls in (self.plain if layout == "channels_last_unfused" else self.fused).items():
+                module.__class__ = cls
+            try:
+                out, sec, peak = measure(pfctl_fn(self.model, work, x, window, tile), self.device, self.args.repeats)
+            except torch.OutOfMemoryError:
+                out, sec, peak = None, float("nan"), float("nan")
+            outputs[layout] = out
+            self.add({"work": work, "impl": f"pfctl/{layout}", "window": window, "tile": tile, "seconds": sec,
+                      "peak_gib": peak})  # fmt: skip
+            del out
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        if outputs.get("contiguous") is not None:  # each other layout vs contiguous
+            for row, (layout, out) in zip(self.results[-len(outputs) :], outputs.items(), strict=True):
+                if layout != "contiguous" and out is not None:
+                    row["rel_l2_vs_pfctl"] = rel_l2(out, outputs["contiguous"])
+        return outputs
+
+    def reference(self, work: str, x: torch.Tensor, window: int, tile: int | None, pfctl_out: torch.Tensor | None) -> None:
+        """The reference on ``x`` (pfctl's VAE moved off the device meanwhile), compared with ``pfctl_out``."""
+        self.model.to("cpu")
+        with resident(self.ref, self.device):
+            out, sec, peak = measure(
+                reference_fn(self.ref, work, x, window, tile, self.device), self.device, self.args.repeats
+            )
+        self.model.to(self.device)
+        self.add({"work": work, "impl": "reference", "window": window, "tile": tile, "seconds": sec, "peak_gib": peak,
+                  "rel_l2_vs_pfctl": rel_l2(pfctl_out, out) if pfctl_out is not None else None})  # fmt: skip
+
+    def profile(self, work: str, x: torch.Tensor, window: int, tile: int | None) -> None:
+        """The top kernels of the first tiled decode and the first encode of each work: is it launch-bound
+        (kernel time well under the wall time)? which kernels dominate?"""
+        self.model.use_channels_last(True)
+        case = f"{work} (window {window}, tile {tile})"
+        wall = next(r["seconds"] for r in self.results if r["impl"] == "pfctl/channels_last" and r["work"] == work
+                    and r["window"] == window and r["tile"] == tile)  # fmt: skip
+        self.profiles[f"pfctl {work}"] = {
+            "case": case, "wall_s": wall, **top_kernels(pfctl_fn(self.model, work, x, window, tile))
+        }  # fmt: skip
+        if self.ref is not None and work == "decode384":
+            with resident(self.ref, self.device):
+                self.profiles[f"reference {work}"] = {
+                    "case": case, **top_kernels(reference_fn(self.ref, work, x, window, tile, self.device))
+                }  # fmt: skip
+
+
+def main() -> None:
+    args = parse_args()
+    run = Run(args)
     only = set(filter(None, args.only.split(",")))
-    results, profiles = [], {}
-    # the plain modules and the fused ones (pfctl.models.fast.vae_norm), swapped per layout
-    plain = {m: type(m) for m in model.modules()}
-    apply_fast_paths(model, FastPaths())
-    fused = {m: type(m) for m in model.modules()}
     gen = torch.Generator(device="cpu").manual_seed(0)
     for work, shape, window, tile, with_ref in cases(args.small):
         if only and work not in only:
             continue
-        x = torch.randn(shape, generator=gen).clamp(-1, 1).to(device=device, dtype=dtype)
-        outputs = {}
-        for layout in args.layouts.split(","):
-            model.use_channels_last(layout.startswith("channels_last"))
-            for module, cls in (plain if layout == "channels_last_unfused" else fused).items():
-                module.__class__ = cls
-            try:
-                out, sec, peak = measure(pfctl_fn(model, work, x, window, tile), device, args.repeats)
-            except torch.OutOfMemoryError:
-                out, sec, peak = None, float("nan"), float("nan")
-            outputs[layout] = out
-            results.append(
-                {
-                    "work": work,
-                    "impl": f"pfctl/{layout}",
-                    "window": window,
-                    "tile": tile,
-                    "seconds": sec,
-                    "peak_gib": peak,
-                }
-            )
-            report(results[-1], results, profiles, args.json)
-            del out
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        if "contiguous" in outputs and outputs["contiguous"] is not None:  # each other layout vs contiguous
-            for row, (layout, out) in zip(results[-len(outputs) :], outputs.items(), strict=True):
-                if layout != "contiguous" and out is not None:
-                    row["rel_l2_vs_pfctl"] = rel_l2(out, outputs["contiguous"])
-        if ref is not None and with_ref:
-            model.to("cpu")
-            with resident(ref, device):
-                out, sec, peak = measure(
-                    reference_fn(ref, work, x, window, tile, device), device, args.repeats
-                )
-            model.to(device)
-            base = next((o for o in outputs.values() if o is not None), None)
-            results.append(
-                {
-                    "work": work,
-                    "impl": "reference",
-                    "window": window,
-                    "tile": tile,
-                    "seconds": sec,
-                    "peak_gib": peak,
-                    "rel_l2_vs_pfctl": rel_l2(base, out) if base is not None else None,
-                }
-            )
-            report(results[-1], results, profiles, args.json)
-            del out
+        x = torch.randn(shape, generator=gen).clamp(-1, 1).to(device=run.device, dtype=run.dtype)
+        outputs = run.pfctl_layouts(work, x, window, tile)
+        if run.ref is not None and with_ref:
+            run.reference(work, x, window, tile, next((o for o in outputs.values() if o is not None), None))
         outputs.clear()
-        # the first tiled decode and the first encode of each work: is it launch-bound (kernel time
-        # well under the wall time)? which kernels dominate?
-        first = not any(key.split()[1] == work for key in profiles)
-        if (
-            args.profile
-            and device.type == "cuda"
-            and first
-            and (tile is not None or work.startswith("encode"))
-        ):
-            model.use_channels_last(True)
-            case = f"{work} (window {window}, tile {tile})"
-            wall = next(r["seconds"] for r in results if r["impl"] == "pfctl/channels_last" and r["work"] == work
-                        and r["window"] == window and r["tile"] == tile)  # fmt: skip
-            profiles[f"pfctl {work}"] = {
-                "case": case,
-                "wall_s": wall,
-                **top_kernels(pfctl_fn(model, work, x, window, tile)),
-            }
-            if ref is not None and work == "decode384":
-                with resident(ref, device):
-                    profiles[f"reference {work}"] = {
-                        "case": case,
-                        **top_kernels(reference_fn(ref, work, x, window, tile, device)),
-                    }
-        if device.type == "cuda":
+        first = not any(key.split()[1] == work for key in run.profiles)
+        if args.profile and run.device.type == "cuda" and first and (tile is not None or work.startswith("encode")):
+            run.profile(work, x, window, tile)
+        if run.device.type == "cuda":
             torch.cuda.empty_cache()
     if args.json:
-        args.json.write_text(json.dumps({"results": results, "profiles": profiles}, indent=1))
+        args.json.write_text(json.dumps({"results": run.results, "profiles": run.profiles}, indent=1))
+    print_profiles(run.profiles)
+    print(f"\n{HEADER}")
+    for r in run.results:
+        print(row_text(r))
+
+
+def print_profiles(profiles: dict[str, dict]) -> None:
     for name, prof in profiles.items():
-        busy = (
-            f", GPU busy {prof['kernel_s'] / prof['wall_s']:.0%} of the timed run" if "wall_s" in prof else ""
-        )
+        busy = f", GPU busy {prof['kernel_s'] / prof['wall_s']:.0%} of the timed run" if "wall_s" in prof else ""
         print(f"\ntop CUDA kernels, {name} {prof['case']}: {prof['kernel_s']:.3f} s of kernels{busy}")
         for r in prof["top"]:
             print(f"  {r['ms']:9.1f} ms {r['share']:6.1%} {r['calls']:6d}x  {r['kernel']}")
-    print(f"\n{HEADER}")
-    for r in results:
-        print(row_text(r))
 
 
 HEADER = f"{'work':<10} {'impl':<28} {'window':>6} {'tile':>5} {'seconds':>8} {'peak GiB':>9} {'relL2 vs pfctl':>15}"
