@@ -30,7 +30,7 @@ from pathlib import Path
 import yaml
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -43,20 +43,24 @@ def main() -> int:
     parser.add_argument("--size", default="48x80", help="latent HxW (48x80 = 384p)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def run_training(args: argparse.Namespace) -> tuple[list[dict], list[dict], float] | int:
+    """``torchrun ... -m pfctl train`` on a synthetic cache in a temporary folder: every rank's assignment log
+    rows, the main process's metrics and the wall time; the exit code (and its output printed) on failure."""
     from pfctl.data.dataset import write_synthetic_cache
     from pfctl.models.registry import preset_config
 
     cfg = preset_config(args.preset)
     height, width = (int(v) for v in args.size.split("x"))
-    text_len = 128 if args.device == "cuda" else 8
     with tempfile.TemporaryDirectory(prefix="pfctl-sync-") as tmp:
         root = Path(tmp)
         num_clips = args.batch * (args.nproc // args.group) * (args.steps + 2)
         write_synthetic_cache(
-            str(root / "cache"), [args.frames] * num_clips, height=height, width=width, text_len=text_len,
-            text_dim=cfg["joint_attention_dim"], pooled_dim=cfg["pooled_projection_dim"],
+            str(root / "cache"), [args.frames] * num_clips, height=height, width=width,
+            text_len=128 if args.device == "cuda" else 8, text_dim=cfg["joint_attention_dim"],
+            pooled_dim=cfg["pooled_projection_dim"],
         )  # fmt: skip
         recipe = {
             "runtime": {"device": args.device, "seed": 7},
@@ -68,13 +72,7 @@ def main() -> int:
             },
         }  # fmt: skip
         (root / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={args.nproc}",
-        ]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
         cmd += ["-m", "pfctl", "train", "--recipe", str(root / "recipe.yaml")]
         tic = time.perf_counter()
         proc = subprocess.run(
@@ -91,20 +89,36 @@ def main() -> int:
         metrics = [
             json.loads(line) for line in (root / "out" / "metrics.jsonl").read_text().splitlines() if line
         ]
+    return rows, metrics, wall
 
+
+def check_groups(rows: list[dict]) -> dict[str, bool]:
+    """The sync-group semantics in the assignment logs: the ranks of a group trained the same clips in every
+    micro-step, groups never shared a clip, and a group's ranks trained different high-resolution units."""
     by_step: dict[tuple[int, int], dict[int, dict]] = defaultdict(dict)
     for row in rows:
         by_step[(row["micro_step"], row["group"])][row["rank"]] = row
-    same_ids = all(len({tuple(r["ids"]) for r in ranks.values()}) == 1 for ranks in by_step.values())
     per_step_ids: dict[int, list[set]] = defaultdict(list)
     for (micro, _group), ranks in by_step.items():
         per_step_ids[micro].append(set(next(iter(ranks.values()))["ids"]))
-    disjoint = all(
-        not (a & b) for groups in per_step_ids.values() for i, a in enumerate(groups) for b in groups[i + 1 :]
-    )
-    highs_differ = all(
-        len({r["units"][2] for r in ranks.values()}) == len(ranks) for ranks in by_step.values()
-    )
+    return {
+        "same_ids_in_group": all(len({tuple(r["ids"]) for r in ranks.values()}) == 1 for ranks in by_step.values()),
+        "groups_disjoint": all(
+            not (a & b) for groups in per_step_ids.values() for i, a in enumerate(groups) for b in groups[i + 1 :]
+        ),
+        "high_units_differ_in_group": all(
+            len({r["units"][2] for r in ranks.values()}) == len(ranks) for ranks in by_step.values()
+        ),
+    }
+
+
+def main() -> int:
+    args = parse_args()
+    ran = run_training(args)
+    if isinstance(ran, int):
+        return ran
+    rows, metrics, wall = ran
+    checks = check_groups(rows)
     timed = [m for m in metrics if m.get("step", 0) > 2]
     step_s = (
         statistics.median(m["step_time_s"] for m in timed) if timed and "step_time_s" in timed[0] else None
@@ -116,7 +130,7 @@ def main() -> int:
     result = {
         "nproc": args.nproc, "group": args.group, "preset": args.preset, "device": args.device,
         "steps": args.steps, "wall_s": wall, "median_step_s": step_s, "median_tokens_per_s_rank0": tok_s,
-        "same_ids_in_group": same_ids, "groups_disjoint": disjoint, "high_units_differ_in_group": highs_differ,
+        **checks,
         "first_assignments": [
             {k: r[k] for k in ("micro_step", "rank", "group", "ids", "units", "tokens") if k in r} for r in first
         ],
@@ -128,10 +142,9 @@ def main() -> int:
         print(
             f"  micro {r['micro_step']} rank {r['rank']} group {r['group']} ids {r['ids']} units {r['units']}"
         )
-    for key in ("wall_s", "median_step_s", "median_tokens_per_s_rank0", "same_ids_in_group", "groups_disjoint",
-                "high_units_differ_in_group"):  # fmt: skip
+    for key in ("wall_s", "median_step_s", "median_tokens_per_s_rank0", *checks):
         print(f"  {key}: {result[key]}")
-    return 0 if same_ids and disjoint and highs_differ else 1
+    return 0 if all(checks.values()) else 1
 
 
 if __name__ == "__main__":
