@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 CONFIGS: dict[str, dict] = {
     "full": {},
@@ -53,8 +54,6 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     from pfctl.config import load_config
     from pfctl.data.dataset import write_synthetic_cache
     from pfctl.models.registry import preset_config
-    from pfctl.training.memory import Workload, estimate_memory, meta_dit
-    from pfctl.training.plan import column_tokens
     from pfctl.training.trainer import Trainer
 
     if not torch.cuda.is_available():
@@ -106,6 +105,24 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         peak = torch.cuda.max_memory_allocated()
         trainer.close()
 
+    estimate = estimate_for(config, largest, text_len)
+    return {
+        "config": name,
+        "step_s": statistics.median(times),
+        "peak_gib": peak / 2**30,
+        "estimate_gib": estimate.total / 2**30,
+        "ratio": peak / estimate.total,
+        "largest_forward_tokens": largest["tokens"],
+        "estimate_rows": {n: b / 2**30 for n, b, _ in estimate.rows},
+    }
+
+
+def estimate_for(config: Any, largest: dict, text_len: int) -> Any:
+    """:func:`pfctl.training.memory.estimate_memory` of ``config`` for the largest forward the timed steps built
+    (``largest``: its assignment record, the same columns and tokens)."""
+    from pfctl.training.memory import Workload, estimate_memory, meta_dit
+    from pfctl.training.plan import column_tokens
+
     f, h, w = largest["bucket"]
     k = len(largest["columns"])
     columns = tuple(
@@ -129,15 +146,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         base_dtype=train.base_dtype, compute_dtype="bf16", optimizer=train.optimizer, ema=False,
         gradient_checkpointing=train.gradient_checkpointing, checkpointing_ratio=train.gradient_checkpointing_ratio,
     )  # fmt: skip
-    return {
-        "config": name,
-        "step_s": statistics.median(times),
-        "peak_gib": peak / 2**30,
-        "estimate_gib": estimate.total / 2**30,
-        "ratio": peak / estimate.total,
-        "largest_forward_tokens": largest["tokens"],
-        "estimate_rows": {n: b / 2**30 for n, b, _ in estimate.rows},
-    }
+    return estimate
 
 
 def main() -> None:
