@@ -216,11 +216,13 @@ def test_every_documented_command_runs_as_written(tmp_path: Path, monkeypatch: p
     examples = [(shlex.join(shlex.split(c)), False) for lines in help_examples().values() for c in lines]
     _workspace(tmp_path)
     monkeypatch.chdir(tmp_path)
+    done: set[tuple[str, bool]] = set()
     outputs: dict[str, str] = {}
     not_run = {}
     for command, gpu in [*readme, *examples]:
-        if command in outputs or command in not_run:
+        if (command, gpu) in done:
             continue
+        done.add((command, gpu))
         reason = run_command(command, gpu, tmp_path, outputs)
         if reason:
             not_run[command] = reason
