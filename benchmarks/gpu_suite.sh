@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite in one call (2x H200: single-GPU benchmarks on GPU 0, then the
 # 2-process sync-group run and the FSDP tests on both). Results: $OUT (or ./bench-out).
-# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,refgen768,gen768,gen768skip,gen768prof,attention,traingraphs,rowgroups,lowmem,fp8,refgen1,recipe384,graphtests,recipe768,warmupprof,recipe768prof,recipe768rowgroups,recipe768rows,recipe768kernels,trainattention,composetest,rowgrouptests,recipe384warm,recipe384cache,gen2gpu,lowmem768,recipe384graphs]
+# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,refgen768,gen768,gen768skip,gen768prof,attention,traingraphs,rowgroups,lowmem,fp8,refgen1,recipe384,graphtests,recipe768,warmupprof,recipe768prof,recipe768rowgroups,recipe768rows,recipe768kernels,trainattention,composetest,rowgrouptests,recipe384warm,recipe384cache,gen2gpu,lowmem768,recipe384graphs,recipe384cpp]
 # (LAYOUTS=channels_last_unfused,channels_last picks the VAE layouts the vae steps time)
 # (TRAIN_VARIANTS=efficient,efficient+compile+skip picks the pfctl variants the trainvariants step times)
 # (reference: needs a Pyramid-Flow checkout in third_party/Pyramid-Flow and einops; not in the default list)
@@ -216,6 +216,12 @@ case ",$STEPS," in *,recipe384graphs,*)
   # the same run without CUDA graphs (~8 min)
   for graphs in auto false; do
     echo "=== the 384p recipe on one GPU, train.cuda_graphs=$graphs (GPU $GPU)"
-    CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --warmup 16 --steps 16 --progress --no-checkpoint --set train.cuda_graphs=$graphs --json "$OUT/recipe384_graphs_$graphs.json" 2>&1 | tee -a "$OUT/suite.log" | grep -E "^(bench step (1|9|1[6-9]|2[0-9]|3[0-2]):|steady|MFU|host busy|peak|CUDA graphs)" | cut -c1-400
+    CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --warmup 16 --steps 16 --progress --no-checkpoint --set train.cuda_graphs=$graphs --json "$OUT/recipe384_graphs_$graphs.json" 2>&1 | tee -a "$OUT/suite.log" | grep -E "^(bench step (1|9|1[6-9]|2[0-9]|3[0-2]):|steady|MFU|host busy|peak|CUDA graphs)" | cut -c1-700
   done;;
+esac
+case ",$STEPS," in *,recipe384cpp,*)
+  # session 37's candidate for the host-bound steps without CUDA graphs: Inductor's C++ wrapper launches each
+  # compiled graph's kernels without Python (~5 min)
+  echo "=== the 384p recipe on one GPU, train.cuda_graphs=false, Inductor's cpp_wrapper (GPU $GPU)"
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --warmup 16 --steps 16 --progress --no-checkpoint --set train.cuda_graphs=false --inductor cpp_wrapper=True --json "$OUT/recipe384_cpp.json" 2>&1 | tee -a "$OUT/suite.log" | grep -E "^(bench step (1|9|1[6-9]|2[0-9]|3[0-2]):|steady|MFU|host busy|peak|inductor options)" | cut -c1-400;;
 esac
