@@ -294,7 +294,6 @@ def print_result(result: dict) -> None:
         print_breakdown("one more video under the profiler (sampling and decode)", result["profile"])
 
 
-
 def main() -> None:
     args = parse_args()
 

@@ -520,16 +520,17 @@ def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tup
     bypasses = CacheBypasses() if args.compile_times else None
     trainer = Trainer(config)
     trainer.setup()
+    dims = dit_dims(config)
     params, recomputed = parameter_counts(trainer)
     if args.host_profile:
         from host_sampler import HostSampler
 
         with HostSampler() as sampler:
-            t = run_steps(trainer, setting, dit_dims(config), sampler.phase)
+            t = run_steps(trainer, setting, dims, sampler.phase)
         if int(os.environ.get("RANK", "0")) == 0:
             print(sampler.report(args.host_profile))
     else:
-        t = run_steps(trainer, setting, dit_dims(config))
+        t = run_steps(trainer, setting, dims)
     if setting.cuda:
         torch.cuda.synchronize()
     tic = time.perf_counter()
