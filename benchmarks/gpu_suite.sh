@@ -211,10 +211,10 @@ case ",$STEPS," in *,recipe384cache,*)
   rm -rf "$run_dir";;
 esac
 case ",$STEPS," in *,recipe384graphs,*)
-  # session 36: with the right gradients the 384p recipe's timed steps ran 0.3 s or 0.8-2.2 s by step; each
-  # step's graph-tree calls by outcome (replayed, recorded, warm-up runs, without a graph, failed checks), then
-  # the same run without CUDA graphs (~8 min)
-  for graphs in auto false; do
+  # session 36: with the right gradients the 384p recipe's timed steps ran 0.3 s or 0.8-2.2 s by step with CUDA
+  # graphs; each step's graph-tree calls by outcome (replayed, recorded, warm-up runs, without a graph, failed
+  # checks and what they found), then the default since session 38, without graphs (~8 min)
+  for graphs in true auto; do
     echo "=== the 384p recipe on one GPU, train.cuda_graphs=$graphs (GPU $GPU)"
     CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --warmup 16 --steps 16 --progress --no-checkpoint --set train.cuda_graphs=$graphs --json "$OUT/recipe384_graphs_$graphs.json" 2>&1 | tee -a "$OUT/suite.log" | grep -E "^(bench step (1|9|1[6-9]|2[0-9]|3[0-2]):|steady|MFU|host busy|peak|CUDA graphs)" | cut -c1-700
   done;;
@@ -222,6 +222,6 @@ esac
 case ",$STEPS," in *,recipe384cpp,*)
   # session 37's candidate for the host-bound steps without CUDA graphs: Inductor's C++ wrapper launches each
   # compiled graph's kernels without Python (~5 min)
-  echo "=== the 384p recipe on one GPU, train.cuda_graphs=false, Inductor's cpp_wrapper (GPU $GPU)"
-  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --warmup 16 --steps 16 --progress --no-checkpoint --set train.cuda_graphs=false --inductor cpp_wrapper=True --json "$OUT/recipe384_cpp.json" 2>&1 | tee -a "$OUT/suite.log" | grep -E "^(bench step (1|9|1[6-9]|2[0-9]|3[0-2]):|steady|MFU|host busy|peak|inductor options)" | cut -c1-400;;
+  echo "=== the 384p recipe on one GPU, defaults (no CUDA graphs), Inductor's cpp_wrapper (GPU $GPU)"
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --warmup 16 --steps 16 --progress --no-checkpoint --inductor cpp_wrapper=True --json "$OUT/recipe384_cpp.json" 2>&1 | tee -a "$OUT/suite.log" | grep -E "^(bench step (1|9|1[6-9]|2[0-9]|3[0-2]):|steady|MFU|host busy|peak|inductor options)" | cut -c1-400;;
 esac

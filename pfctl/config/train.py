@@ -186,14 +186,14 @@ class TrainConfig(Section):
     """With ``fsdp`` on CUDA: keep the parameter shards, gradients and optimizer state in host memory (the
     optimizer steps there). Nothing to offload on the CPU."""
     attention: Literal["auto", "efficient", "cudnn"] = "auto"
-    """The kernel of the DiT's masked attention: ``auto`` (default) cuDNN's when the blocks run as CUDA graphs
-    or are compiled with ``skip_future_keys``, else the memory-efficient one; ``efficient`` the
-    memory-efficient kernel; ``cudnn`` cuDNN's, faster, but it builds a plan for every new shape: the
-    pyramid's shapes change every step, so in eager training the planning and the host cost
-    per call outweigh its faster kernel, while with CUDA graphs both are paid once per shape, and compiled
-    row groups send it only calls whose shapes recur: the masked ones (the text cut to a multiple of 32
-    tokens) and the image keys of the mask-free ones (their valid text goes to the flash kernel).
-    Same loss within bf16 rounding; no effect on the CPU. Measured step times: ``benchmarks/RESULTS.md``."""
+    """The kernel of the DiT's masked attention: ``auto`` (default) cuDNN's when the blocks are compiled, else
+    the memory-efficient one; ``efficient`` the memory-efficient kernel; ``cudnn`` cuDNN's, faster, but it
+    builds a plan for every new shape: the pyramid's shapes change every step, so in eager training the
+    planning and the host cost per call outweigh its faster kernel, while compiled blocks meet a fixed set of
+    shapes (the log lists them), each planned once in the warm-up, and compiled row groups send it only calls
+    whose shapes recur: the masked ones (the text cut to a multiple of 32 tokens) and the image keys of the
+    mask-free ones (their valid text goes to the flash kernel). Same loss within bf16 rounding; no effect on
+    the CPU. Measured step times: ``benchmarks/RESULTS.md``."""
     skip_future_keys: bool = False
     """Cut the text padding and attend the query rows of long columns (6,144+ tokens) in groups of whole
     frames (512+ rows; a frame that large alone), each against the keys up to its last frame only, forward
@@ -219,13 +219,13 @@ class TrainConfig(Section):
     cuda_graphs: bool | Literal["auto"] = "auto"
     """With compiled blocks: each block's forward and backward is also recorded as a CUDA graph, once per
     token count, and replayed (``torch.compile`` mode ``reduce-overhead``), so the host no longer sets the
-    step's pace. ``auto`` (default): on when the blocks are compiled and nothing recomputes or gathers inside a
-    block (no gradient checkpointing, no sharding over several processes: ``train.fsdp`` with one process
-    shards nothing and is skipped then); else off. With gradient accumulation the gradients accumulate into
-    tensors of their own (the graphs' memory is reused by the next micro-batch). Every distinct token count
-    is recorded once, so the warm-up grows with the number of inputs a rank builds (the log lists them).
-    Held-out losses and validation samples run the blocks eagerly. ``true`` refuses gradient checkpointing
-    and FSDP over several processes."""
+    step's pace. ``auto`` (default): off. On the H200 with torch 2.11 most steps of the 384p recipe recorded
+    their graphs again (failed checks of the graph trees) and ran no faster than the reference's step, while
+    the compiled blocks without graphs ran 2-2.7x faster (``benchmarks/RESULTS.md``, sessions 33-36); ``true``
+    turns them on. With gradient accumulation the gradients accumulate into tensors of their own (the graphs'
+    memory is reused by the next micro-batch). Every distinct token count is recorded once, so the warm-up
+    grows with the number of inputs a rank builds (the log lists them). Held-out losses and validation samples
+    run the blocks eagerly. ``true`` refuses gradient checkpointing and FSDP over several processes."""
     compile_cache: bool = True
     """With compiled blocks: what the compiler built (graphs, generated kernels, tuning results) is saved to
     ``<output_dir>/compile-cache.bin`` when the warm-up ends, and loaded when a run starts on that output
@@ -401,11 +401,10 @@ class TrainSpeed:
 def resolve_train_speed(
     train: TrainConfig, device_type: str, world_size: int, no_compiler: str | None = None
 ) -> TrainSpeed:
-    """The ``auto`` speed options for this device and world size: compiled blocks on CUDA; CUDA graphs where
-    the blocks are compiled and neither checkpointing nor a sharded block changes what a block does in its
-    backward; cuDNN attention with the graphs or compiled row groups (its per-shape planning is then paid
-    once), the memory-efficient kernel otherwise. ``train.fsdp`` with one CUDA process (no host offload) shards nothing:
-    skipped, so the graphs can stay on. ``no_compiler``: why ``torch.compile`` cannot generate code here (no
+    """The ``auto`` speed options for this device and world size: compiled blocks on CUDA, without CUDA graphs
+    (``train.cuda_graphs``); cuDNN attention with compiled blocks (their fixed set of shapes is planned once),
+    the memory-efficient kernel otherwise. ``train.fsdp`` with one CUDA process (no host offload) shards nothing:
+    skipped (no gathers around the blocks). ``no_compiler``: why ``torch.compile`` cannot generate code here (no
     Triton): ``auto`` then keeps the eager blocks. Explicit ``true`` / ``false`` settings are kept."""
     cuda = device_type == "cuda"
     notes = []
@@ -418,13 +417,10 @@ def resolve_train_speed(
         notes.append("train.compile is ignored on the CPU")
     if cuda and train.compile == "auto" and no_compiler is not None:
         notes.append(f"eager blocks: torch.compile cannot generate code here ({no_compiler})")
-    graphs = compiled and (
-        train.cuda_graphs is True
-        or (train.cuda_graphs == "auto" and not train.gradient_checkpointing and fsdp == "none")
-    )
+    graphs = compiled and train.cuda_graphs is True
     attention = train.attention
     if attention == "auto":
-        attention = "cudnn" if graphs or (compiled and train.skip_future_keys) else "efficient"
+        attention = "cudnn" if compiled else "efficient"
     checkpointing = "none"
     if train.gradient_checkpointing:
         checkpointing = f"{train.gradient_checkpointing_ratio:g} {train.gradient_checkpointing_policy}"

@@ -129,27 +129,26 @@ def test_cuda_graphs_names_each_setting_it_cannot_work_with(overrides: list[str]
     check_train_constraints(load_config(None, ["train.cuda_graphs=true", "train.fsdp=full_shard"]).train, 1)
 
 
-# (overrides, device, world) -> (compile, cuda_graphs, attention, fsdp): the defaults are the fast path on
-# CUDA, the eager one on the CPU; graphs only where nothing recomputes or gathers inside a block
+# (overrides, device, world) -> (compile, cuda_graphs, attention, fsdp): the defaults are the compiled
+# blocks with cuDNN's attention on CUDA, the eager ones on the CPU; CUDA graphs only when asked for
 SPEED_CASES = [
-    ([], "cuda", 1, (True, True, "cudnn", "none")),
+    ([], "cuda", 1, (True, False, "cudnn", "none")),
     ([], "cpu", 2, (False, False, "efficient", "none")),
     (["train.compile=false"], "cuda", 1, (False, False, "efficient", "none")),
-    (["train.gradient_checkpointing=true"], "cuda", 1, (True, False, "efficient", "none")),
-    (["train.fsdp=shard_grad_op"], "cuda", 2, (True, False, "efficient", "shard_grad_op")),
-    (["train.fsdp=shard_grad_op"], "cuda", 1, (True, True, "cudnn", "none")),  # one process: nothing to shard
-    (["train.grad_accum=2"], "cuda", 1, (True, True, "cudnn", "none")),
+    (["train.gradient_checkpointing=true"], "cuda", 1, (True, False, "cudnn", "none")),
+    (["train.fsdp=shard_grad_op"], "cuda", 2, (True, False, "cudnn", "shard_grad_op")),
+    (["train.fsdp=shard_grad_op"], "cuda", 1, (True, False, "cudnn", "none")),  # one process: nothing to shard
+    (["train.grad_accum=2"], "cuda", 1, (True, False, "cudnn", "none")),
     (["train.grad_accum=2", "train.cuda_graphs=true"], "cuda", 1, (True, True, "cudnn", "none")),
     (
         ["train.fsdp=full_shard", "train.fsdp_cpu_offload=true"],
         "cuda",
         1,
-        (True, False, "efficient", "full_shard"),
+        (True, False, "cudnn", "full_shard"),
     ),
     (["train.fsdp=full_shard"], "cpu", 1, (False, False, "efficient", "full_shard")),
-    (["train.cuda_graphs=false"], "cuda", 1, (True, False, "efficient", "none")),
-    (["train.attention=efficient"], "cuda", 1, (True, True, "efficient", "none")),
-    # compiled row groups send cuDNN only their masked calls, whose shapes recur
+    (["train.cuda_graphs=false"], "cuda", 1, (True, False, "cudnn", "none")),
+    (["train.cuda_graphs=true", "train.attention=efficient"], "cuda", 1, (True, True, "efficient", "none")),
     (["train.gradient_checkpointing=true", "train.skip_future_keys=true"], "cuda", 1, (True, False, "cudnn", "none")),
     (["train.compile=false", "train.skip_future_keys=true"], "cuda", 1, (False, False, "efficient", "none")),
     (["train.compile=true", "train.cuda_graphs=true"], "cpu", 1, (False, False, "efficient", "none")),
