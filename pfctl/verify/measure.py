@@ -9,6 +9,7 @@ import ctypes
 import gc
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -238,6 +239,11 @@ def _heap_in_use_reader() -> Callable[[], int] | None:
     return read
 
 
+#: a reading of malloc's statistics slower than this (a fragmented heap: a long-lived process) is not repeated
+#: thousands of times: the CPU peak is then not measured (a young process reads it in ~0.2 ms)
+SLOW_HEAP_READ_S = 0.005
+
+
 def peak_memory(
     fn: Callable[[], Any], device: torch.device | str, module: nn.Module
 ) -> tuple[int | None, str]:
@@ -248,7 +254,9 @@ def peak_memory(
     fire in whatever thread runs the module, so chunks run by the exact engine count too) and, for the
     temporaries inside one operator (a convolution's column buffer), every 0.2 ms by a sampling thread
     while operators run without the GIL; the peak is the largest reading. Both count allocations, not
-    pages. Elsewhere: not measured (None).
+    pages. Not measured (None, and the reason) where there are no such statistics, or where one reading
+    takes longer than :data:`SLOW_HEAP_READ_S` (it walks the free blocks of the heap: a fragmented heap of a
+    long-lived process made a measurement take minutes).
     """
     device = torch.device(device)
     if device.type == "cuda":
@@ -265,7 +273,16 @@ def peak_memory(
         fn()
         return None, "not measured (needs glibc malloc statistics or CUDA)"
     gc.collect()
+    tic = time.perf_counter()
     base = read()
+    took = time.perf_counter() - tic
+    if took > SLOW_HEAP_READ_S:
+        fn()
+        return None, (
+            f"not measured: one reading of malloc's statistics took {took * 1e3:.0f} ms in this process "
+            "(it walks every free block of a fragmented heap, and thousands are needed); a fresh process "
+            "reads it in well under a millisecond (the pfctl verify-groupnorm command is one)"
+        )
     peak = [base]
     lock = threading.Lock()
     stop = threading.Event()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -179,3 +180,23 @@ def test_cpu_peak_memory_counts_live_tensors_and_repeats():
     peaks = [p for p, _ in runs[1:]]
     assert all(32 << 20 <= p <= 34 << 20 for p in peaks), peaks
     assert abs(peaks[0] - peaks[1]) <= 1 << 16
+
+
+def test_cpu_peak_memory_is_not_measured_where_the_heap_is_too_slow_to_read(monkeypatch):
+    """A long-lived process's fragmented heap makes each reading of malloc's statistics slow: the call still
+    runs (once), and the peak is reported as not measured, with the reason, instead of taking minutes."""
+    import pfctl.verify.measure as measure
+
+    def slow_reader():
+        def read() -> int:
+            time.sleep(measure.SLOW_HEAP_READ_S * 2)
+            return 0
+
+        return read
+
+    monkeypatch.setattr(measure, "_heap_in_use_reader", slow_reader)
+    calls = []
+    model = nn.Sequential(_Double())
+    peak, method = peak_memory(lambda: calls.append(model(torch.ones(4))), "cpu", model)
+    assert peak is None and len(calls) == 1
+    assert "not measured" in method and "ms" in method
