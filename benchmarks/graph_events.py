@@ -119,7 +119,10 @@ def why_check_failed(node: Any, inputs: Any, status: str) -> list[str]:
     trees keep it: for a data-pointer check, each compared input that is not where the recording had it, named
     by the recording's placeholder and its sizes (a graph's own outputs are managed inputs of the next graph;
     parameters are static inputs); for the liveness check, each output of the path the recording saw freed
-    that is alive now, as ``output i of graph d`` of the path. Empty where the trees keep none of it."""
+    that is alive now, as ``output i of graph d`` of the path. A moved input also says where it was recorded and
+    where it is now, where either is an output of the path: on an output of the path (another output of the graph
+    it came from: several outputs alike in sizes that the next graph takes by position) or not on any (an eager
+    tensor). Empty where the trees keep none of it."""
     if status == "ExpectedDeadIndicesBeforeGraphMismatch":
         refs = getattr(node, "path_weakrefs", None)
         expected_dead = getattr(node, "expected_dead_indices_before_graph", None) or ()
@@ -131,13 +134,42 @@ def why_check_failed(node: Any, inputs: Any, status: str) -> list[str]:
     if recorded is None or compared is None:
         return []
     placeholders = getattr(getattr(node, "wrapped_function", None), "placeholders", None) or ()
+    outputs = _path_outputs(getattr(node, "path_weakrefs", None))
     moved = []
     for i in compared:
         tensor = inputs[i] if i < len(inputs) else None
         if hasattr(tensor, "data_ptr") and i < len(recorded) and tensor.data_ptr() != recorded[i]:
             name = placeholders[i].name if i < len(placeholders) else f"input {i}"
-            moved.append(f"{name} {list(tensor.shape)} moved")
+            where = ""
+            if outputs:
+                was = _output_at(outputs, recorded[i], alive=False)
+                now = _output_at(outputs, tensor.untyped_storage().data_ptr(), alive=True)
+                if was or now:
+                    where = f" (recorded {was or 'off the path outputs'}, now {now or 'off the path outputs'})"
+            moved.append(f"{name} {list(tensor.shape)} moved{where}")
     return moved
+
+
+def _path_outputs(path_weakrefs: Any) -> dict[int, list[tuple[int, int, Any]]] | None:
+    """Storage pointer -> ``(graph, output, ref)`` of the path's outputs (the trees' weak references keep their
+    storage's pointer), or None where the recording keeps no path."""
+    if path_weakrefs is None:
+        return None
+    found: dict[int, list[tuple[int, int, Any]]] = {}
+    for d, refs in enumerate(path_weakrefs):
+        for i, ref in enumerate(refs):
+            if ref is not None and hasattr(ref, "data_ptr"):
+                found.setdefault(ref.data_ptr(), []).append((d, i, ref))
+    return found
+
+
+def _output_at(outputs: dict[int, list[tuple[int, int, Any]]], pointer: int, *, alive: bool) -> str | None:
+    """``output i of graph d``: the first output of the path on the storage at ``pointer`` (alive now, if
+    ``alive``), or None."""
+    for d, i, ref in outputs.get(pointer, ()):
+        if not alive or _alive(ref):
+            return f"output {i} of graph {d}"
+    return None
 
 
 def _alive(ref: Any) -> bool:

@@ -206,6 +206,49 @@ def test_a_failed_check_names_what_it_found_moved_or_alive(monkeypatch: pytest.M
     )
 
 
+class _StorageRef:
+    """A stand-in for the trees' weak reference to an output's storage: its pointer, and the storage while alive."""
+
+    def __init__(self, tensor: object, alive: bool = True) -> None:
+        self.pointer, self.tensor = tensor.untyped_storage().data_ptr(), tensor if alive else None
+
+    def data_ptr(self) -> int:
+        return self.pointer
+
+    def __call__(self) -> object:
+        return self.tensor
+
+
+def test_a_moved_input_says_which_output_of_the_path_it_was_recorded_on_and_is_on_now(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A graph's two outputs alike in sizes, taken by the next graph in the other order than at its recording:
+    the finding names the output it was recorded on and the one it is on now; an input that is no output of the
+    path (an eager tensor) is named so, as is one whose recorded output has died."""
+    from types import SimpleNamespace
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import graph_events
+
+    x, y, eager, dead = torch.zeros(3), torch.ones(3), torch.zeros(3), torch.zeros(3)
+    node = SimpleNamespace(
+        static_input_data_ptrs=[x.data_ptr(), dead.data_ptr()],
+        cudagraph_managed_idxs=[0, 1],
+        wrapped_function=SimpleNamespace(placeholders=[SimpleNamespace(name="a"), SimpleNamespace(name="b")]),
+        path_weakrefs=[[_StorageRef(x), _StorageRef(y), _StorageRef(dead, alive=False)]],
+    )
+    why = graph_events.why_check_failed
+    assert why(node, [y, y], "CudagraphManagedIdxMismatch") == [
+        "a [3] moved (recorded output 0 of graph 0, now output 1 of graph 0)",
+        "b [3] moved (recorded output 2 of graph 0, now output 1 of graph 0)",
+    ]
+    assert why(node, [eager, dead], "CudagraphManagedIdxMismatch") == [
+        "a [3] moved (recorded output 0 of graph 0, now off the path outputs)"
+    ]
+
+
 def _spin(seconds: float) -> None:
     """Busy Python for ``seconds`` (what the host sampler must see as running)."""
     end = time.perf_counter() + seconds
