@@ -346,23 +346,29 @@ def test_compiled_runs_log_their_warm_up(
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graphs_train_like_the_eager_path_with_accumulation(cache: Path, tmp_path: Path) -> None:
-    """Compiled blocks as CUDA graphs (with cuDNN attention) and two micro-batches per step:
-    the first micro-batch's gradients survive the second one's forward (which reuses the graphs' memory),
-    so the losses follow the eager path's within the rounding of bf16 autocast (the CUDA default)."""
+def test_cuda_defaults_and_cuda_graphs_train_like_the_eager_path_with_accumulation(
+    cache: Path, tmp_path: Path
+) -> None:
+    """Two micro-batches per step on CUDA, bf16 autocast: the defaults (compiled blocks, cuDNN attention, no
+    graphs) and compiled blocks as CUDA graphs, where the first micro-batch's gradients survive the second
+    one's forward (which reuses the graphs' memory): the losses follow the eager path's within the rounding of
+    bf16 autocast."""
     common = {"max_steps": 3, "grad_accum": 2, "export": False}
     runs = {}
-    for name, switch in (("eager", {"compile": False}), ("fast", {"cuda_graphs": True})):
+    settings = {"eager": {"compile": False}, "default": {}, "graphs": {"cuda_graphs": True}}
+    for name, switch in settings.items():
         cfg = config(cache, tmp_path / name, **common, **switch)
         cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"device": "cuda"})})
         api.train(cfg)
         runs[name] = [r["loss"] for r in metrics(tmp_path / name) if "loss" in r]
         settled = yaml.safe_load((tmp_path / name / "config.yaml").read_text())["train"]
-        assert settled["cuda_graphs"] is (name == "fast") and settled["compile"] is (name == "fast")
-    assert len(runs["fast"]) == 3
-    # (the defect this guards against stopped the second micro-batch's backward with an error); bf16 rounds
-    # each product's inputs to 8 bits (2^-8 relative) and the two paths fuse differently
-    assert runs["fast"] == pytest.approx(runs["eager"], rel=2e-2)
+        assert settled["cuda_graphs"] is (name == "graphs") and settled["compile"] is (name != "eager")
+        assert settled["attention"] == ("efficient" if name == "eager" else "cudnn")
+    # (the defect the graphs' case guards against stopped the second micro-batch's backward with an error);
+    # bf16 rounds each product's inputs to 8 bits (2^-8 relative) and the paths fuse differently
+    for name in ("default", "graphs"):
+        assert len(runs[name]) == 3
+        assert runs[name] == pytest.approx(runs["eager"], rel=2e-2), name
 
 
 @pytest.mark.gpu
