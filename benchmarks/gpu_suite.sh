@@ -217,7 +217,7 @@ case ",$STEPS," in *,recipe384graphs,*)
   # per phase and thread (in $OUT/suite.log) (~8 min)
   for graphs in true auto; do
     echo "=== the 384p recipe on one GPU, train.cuda_graphs=$graphs (GPU $GPU)"
-    CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --warmup 16 --steps 16 --progress --no-checkpoint --set train.cuda_graphs=$graphs --host-profile 30 --json "$OUT/recipe384_graphs_$graphs.json" 2>&1 | tee -a "$OUT/suite.log" | grep -E "^(bench step (1|9|1[6-9]|2[0-9]|3[0-2]):|steady|MFU|host busy|peak|CUDA graphs)" | cut -c1-700
+    CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --warmup 16 --steps 16 --progress --no-checkpoint --set train.cuda_graphs=$graphs --host-profile 30 --json "$OUT/recipe384_graphs_$graphs.json" 2>&1 | tee -a "$OUT/suite.log" | grep -E "^(bench step (1|9|1[6-9]|2[0-9]|3[0-2]):|steady|time to steady|MFU|host busy|peak|CUDA graphs)" | cut -c1-500
   done;;
 esac
 case ",$STEPS," in *,recipe384cpp,*)
@@ -226,3 +226,13 @@ case ",$STEPS," in *,recipe384cpp,*)
   echo "=== the 384p recipe on one GPU, defaults (no CUDA graphs), Inductor's cpp_wrapper (GPU $GPU)"
   CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --warmup 16 --steps 16 --progress --no-checkpoint --inductor cpp_wrapper=True --json "$OUT/recipe384_cpp.json" 2>&1 | tee -a "$OUT/suite.log" | grep -E "^(bench step (1|9|1[6-9]|2[0-9]|3[0-2]):|steady|MFU|host busy|peak|inductor options)" | cut -c1-400;;
 esac
+# last, a short table of every recipe run this call wrote (bench_train.py --json)
+ls "$OUT"/recipe*.json >/dev/null 2>&1 && python - "$OUT" <<'PY'
+import json, pathlib, sys
+starts = ("steady step time", "time to steady", "MFU (6", "host busy", "peak memory (timed", "reference step")
+print("=== summary: " + " | ".join(starts))
+for path in sorted(pathlib.Path(sys.argv[1]).glob("recipe*.json")):
+    report = json.loads(path.read_text())
+    found = [next((str(v) for k, v in report.items() if k.startswith(start)), "-")[:40] for start in starts]
+    print(path.stem + ": " + " | ".join(found))
+PY
