@@ -254,8 +254,8 @@ def plan_setting(args: argparse.Namespace, world: int) -> tuple[Any, Setting]:
     else:
         frames = args.frames or (16 if cuda else 4)
         height, width = args.height or (48 if cuda else 8), args.width or (80 if cuda else 8)
-    # compiled blocks as CUDA graphs (the CUDA default): every new shape is recorded at its second occurrence,
-    # and the pyramid's shapes cycle
+    # on CUDA the warm-up covers each of the pyramid's inputs compiled and planned at its first occurrence, and
+    # with train.cuda_graphs=true recorded at its second (the shapes cycle)
     steps = args.steps or 20
     warmup = args.warmup if args.warmup is not None else (20 if cuda else 3)
     flags = {
