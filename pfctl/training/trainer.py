@@ -20,6 +20,7 @@ Randomness, by owner (what makes a resumed run bit-identical and a sync group co
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import shutil
 import time
@@ -551,7 +552,12 @@ class Trainer:
         expected = token_count_sets(self.cfg, self.runtime.rank, clips)
         rt = self.runtime
         cache = CompileCacheSite(self.out, rt.device, writes=rt.is_main) if self.cfg.compile_cache else None
-        self.warmup = WarmupWatch(expected, need=2 if self.graphed else 1, cache=cache)
+        recordings = None
+        if self.graphed:
+            from pfctl.models.fast.graph_trees import recordings_begun
+
+            recordings = functools.partial(recordings_begun, rt.device.index or 0)
+        self.warmup = WarmupWatch(expected, need=2 if self.graphed else 1, cache=cache, recordings=recordings)
         self.warmup.start()
 
     def resume(self) -> Path | None:

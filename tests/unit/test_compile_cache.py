@@ -152,3 +152,29 @@ def test_the_warm_up_loads_the_cache_first_and_saves_it_once_when_over(tmp_path:
     monkeypatch.setattr(compile_cache, "save_compile_cache", full_disk)
     run(writes=True)
     assert said[-1] == "warn: compile cache not saved: OSError: [Errno 28] No space left on device"
+
+
+def test_after_the_warm_up_a_step_that_records_cuda_graphs_again_is_named_once(monkeypatch) -> None:
+    """With CUDA graphs every input is recorded in the warm-up; a later step that begins recordings again
+    (the graph trees' checks failed) is named in one warning with the switch that turns the graphs off, and
+    steps that only replay say nothing. Without a count (another PyTorch) nothing is said."""
+    from pfctl.runtime import logging as pflog
+    from pfctl.training.warmup import WarmupWatch
+
+    warned: list[str] = []
+    monkeypatch.setattr(pflog, "log", lambda message, **_: None)
+    monkeypatch.setattr(pflog, "warn", warned.append)
+    begun = iter([5, 5, 5, 7, 9, 9])  # the trees' recordings read at the end of the warm-up and after steps
+    expected = {((8, 8, 2), (1,)): (64,)}
+    watch = WarmupWatch(expected, need=2, recordings=lambda: next(begun))
+    for step in range(1, 8):
+        watch.saw((8, 8, 2), (1,), now=float(step))
+        watch.after_step(step, now=float(step))
+    assert len(warned) == 1
+    assert warned[0].startswith("CUDA graphs: step 5 recorded graphs again after the warm-up (2 recordings")
+    assert "train.cuda_graphs=false" in warned[0]
+    unknown = WarmupWatch(expected, need=2, recordings=lambda: None)
+    for step in range(1, 5):
+        unknown.saw((8, 8, 2), (1,), now=float(step))
+        unknown.after_step(step, now=float(step))
+    assert len(warned) == 1

@@ -124,3 +124,17 @@ def test_compiled_blocks_say_when_the_trees_cannot_be_indexed(monkeypatch, capsy
     assert "their own alias scan" in capsys.readouterr().out
     compile_blocks([nn.Linear(2, 2)], "eager", cuda_graphs=False)  # no graphs: nothing to say
     assert "alias scan" not in capsys.readouterr().out
+
+
+def test_recordings_begun_reads_the_trees_count(monkeypatch) -> None:
+    """0 before the device's trees exist (here: no CUDA), the manager's count once they do, None where the
+    trees keep none."""
+    from types import SimpleNamespace
+
+    from torch._inductor import cudagraph_trees as trees
+
+    assert graph_trees.recordings_begun(0) == 0
+    monkeypatch.setattr(trees, "get_manager", lambda index, create_if_none_exists: SimpleNamespace(debug_fail_counter=3))
+    assert graph_trees.recordings_begun(0) == 3
+    monkeypatch.setattr(trees, "get_manager", lambda index, create_if_none_exists: SimpleNamespace())
+    assert graph_trees.recordings_begun(0) is None

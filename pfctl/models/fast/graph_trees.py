@@ -23,7 +23,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["index_outputs", "index_recorded_outputs", "live_output_on_storage"]
+__all__ = ["index_outputs", "index_recorded_outputs", "live_output_on_storage", "recordings_begun"]
 
 _INDEX = "_pfctl_outputs_by_storage"  # the index of a node, while one of the wrapped methods runs
 _ABSENT = object()
@@ -112,3 +112,16 @@ def _indexed_while(method: Callable) -> Callable:
                 self.__dict__.pop(_INDEX, None)
 
     return wrapper
+
+
+def recordings_begun(device_index: int) -> int | None:
+    """How many recordings the graph trees of ``device_index`` have begun in this process: each is a new path's
+    first, or one made again because a recording failed the trees' checks. 0 before the trees exist; None on a
+    PyTorch whose trees keep no such count."""
+    from torch._inductor import cudagraph_trees as trees
+
+    get_manager = getattr(trees, "get_manager", None)
+    if get_manager is None:
+        return None
+    manager = get_manager(device_index, create_if_none_exists=False)
+    return 0 if manager is None else getattr(manager, "debug_fail_counter", None)
