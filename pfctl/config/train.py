@@ -224,8 +224,9 @@ class TrainConfig(Section):
     the compiled blocks without graphs ran 2-2.7x faster (``benchmarks/RESULTS.md``, sessions 33-36); ``true``
     turns them on. With gradient accumulation the gradients accumulate into tensors of their own (the graphs'
     memory is reused by the next micro-batch). Every distinct token count is recorded once, so the warm-up
-    grows with the number of inputs a rank builds (the log lists them). Held-out losses and validation samples
-    run the blocks eagerly. ``true`` refuses gradient checkpointing and FSDP over several processes."""
+    grows with the number of inputs a rank builds (the log lists them); a step after the warm-up that records
+    graphs again is named in a warning. Held-out losses and validation samples run the blocks eagerly.
+    ``true`` refuses gradient checkpointing and FSDP over several processes."""
     compile_cache: bool = True
     """With compiled blocks: what the compiler built (graphs, generated kernels, tuning results) is saved to
     ``<output_dir>/compile-cache.bin`` when the warm-up ends, and loaded when a run starts on that output
