@@ -26,7 +26,8 @@ class GraphEvents:
     Keys: ``calls``, ``replayed``, ``recorded``, ``warm-up runs``, ``new sizes`` (calls of sizes not met before:
     the trees keep one function per set of sizes), ``failed check: <status>`` (a recording of the call's
     function whose invariants did not hold; PyTorch's status names), ``why: <status>: <finding>`` (what such a
-    check found, :func:`why_check_failed`). On a PyTorch whose trees lack a method
+    check found, :func:`why_check_failed`, after the graph it was a check of: ``forward graph: ``,
+    ``backward graph: ``, where the trees say). On a PyTorch whose trees lack a method
     counted here, that count stays absent. ``manager`` and ``node``: the classes counted (default: the trees'
     ``CUDAGraphTreeManager`` and ``CUDAGraphNode``)."""
 
@@ -35,6 +36,7 @@ class GraphEvents:
         self._classes = manager, node
         self._functions: set[Any] = set()
         self._depth = 0  # calls of _run in progress
+        self._mode: str | None = None  # the call's graph: forward or backward (the trees' mode of its function)
         self._restore: list[tuple[type, str, Any]] = []
 
     def __enter__(self) -> GraphEvents:
@@ -72,6 +74,8 @@ class GraphEvents:
         inside itself when a call starts a new path)."""
 
         def run(manager: Any, new_inputs: Any, function_id: Any, *args: Any, **kwargs: Any) -> Any:
+            mode = getattr(manager, "id_to_mode", {}).get(function_id)
+            self._mode = None if mode is None else getattr(mode, "name", str(mode)).lower()
             if self._depth == 0:
                 self.counts["calls"] += 1
                 if function_id not in self._functions:
@@ -99,8 +103,9 @@ class GraphEvents:
             name = getattr(status, "name", str(status))
             if name != "SUCCESS":
                 self.counts[f"failed check: {name}"] += 1
+                graph = "" if self._mode is None else f"{self._mode} graph: "
                 for what in why_check_failed(node, inputs, name):
-                    self.counts[f"{_WHY}{name}: {what}"] += 1
+                    self.counts[f"{_WHY}{name}: {graph}{what}"] += 1
             return result
 
         return check

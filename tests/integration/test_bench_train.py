@@ -206,6 +206,42 @@ def test_a_failed_check_names_what_it_found_moved_or_alive(monkeypatch: pytest.M
     )
 
 
+def test_a_failed_checks_finding_names_the_graph_it_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A check made within a call of the trees' manager names its graph, forward or backward, as the trees'
+    mode of the call's function has it (stand-ins with their attribute names)."""
+    from enum import Enum
+    from types import SimpleNamespace
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import graph_events
+
+    Status = Enum("Status", ["SUCCESS", "CudagraphManagedIdxMismatch"])
+    Mode = Enum("Mode", ["FORWARD", "BACKWARD"])
+    moved = torch.zeros(2)
+
+    class Node(SimpleNamespace):
+        def check_invariants(self, inputs: list) -> tuple:
+            return Status.CudagraphManagedIdxMismatch, str
+
+    node = Node(
+        static_input_data_ptrs=[moved.data_ptr() + 4], cudagraph_managed_idxs=[0],
+        wrapped_function=SimpleNamespace(placeholders=[SimpleNamespace(name="tangents_1")]),
+    )  # fmt: skip
+
+    class Manager:
+        def __init__(self) -> None:
+            self.id_to_mode = {"f": Mode.FORWARD, "b": Mode.BACKWARD}
+
+        def _run(self, new_inputs: list, function_id: str) -> None:
+            node.check_invariants(new_inputs)
+
+    with graph_events.GraphEvents(Manager, Node) as events:
+        Manager()._run([moved], "b")
+    assert events.counts["why: CudagraphManagedIdxMismatch: backward graph: tangents_1 [2] moved"] == 1
+
+
 class _StorageRef:
     """A stand-in for the trees' weak reference to an output's storage: its pointer, and the storage while alive."""
 
