@@ -211,11 +211,11 @@ case ",$STEPS," in *,recipe384cache,*)
   rm -rf "$run_dir";;
 esac
 case ",$STEPS," in *,recipe384graphs,*)
-  # session 36: with the right gradients the 384p recipe's timed steps ran 0.3 s or 0.8-2.2 s by step with CUDA
-  # graphs; each step's graph-tree calls by outcome (replayed, recorded, warm-up runs, without a graph, failed
-  # checks and what they found), then the default since session 38, without graphs, with the host's hot spots
-  # per phase and thread (in $OUT/suite.log) (~8 min)
-  for graphs in true auto; do
+  # the default since session 38 (no CUDA graphs), then with them: in session 36, with the right gradients, the
+  # 384p recipe's timed steps ran 0.3 s or 0.8-2.2 s by step with graphs; each step's graph-tree calls by outcome
+  # (replayed, recorded, warm-up runs, without a graph, failed checks and what they found, by graph); each run
+  # with the host's hot spots per phase and thread (in $OUT/suite.log) (~8 min)
+  for graphs in auto true; do
     echo "=== the 384p recipe on one GPU, train.cuda_graphs=$graphs (GPU $GPU)"
     CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --warmup 16 --steps 16 --progress --no-checkpoint --set train.cuda_graphs=$graphs --host-profile 30 --json "$OUT/recipe384_graphs_$graphs.json" 2>&1 | tee -a "$OUT/suite.log" | grep -E "^(bench step (1|9|1[6-9]|2[0-9]|3[0-2]):|steady|time to steady|MFU|host busy|peak|CUDA graphs)" | cut -c1-500
   done;;
