@@ -14,6 +14,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from pfctl.models.fast.graph_trees import index_outputs, live_output_on_storage
+
 __all__ = ["GraphEvents", "describe", "why_check_failed"]
 
 # the trees' manager methods a call ends in, and what each means
@@ -139,47 +141,33 @@ def why_check_failed(node: Any, inputs: Any, status: str) -> list[str]:
     if recorded is None or compared is None:
         return []
     placeholders = getattr(getattr(node, "wrapped_function", None), "placeholders", None) or ()
-    outputs = _path_outputs(getattr(node, "path_weakrefs", None))
+    refs = getattr(node, "path_weakrefs", None)
+    index = index_outputs(refs) if refs else {}  # the path's outputs by storage pointer
     moved = []
     for i in compared:
         tensor = inputs[i] if i < len(inputs) else None
         if hasattr(tensor, "data_ptr") and i < len(recorded) and tensor.data_ptr() != recorded[i]:
             name = placeholders[i].name if i < len(placeholders) else f"input {i}"
-            where = ""
-            if outputs:
-                was = _output_at(outputs, recorded[i], alive=False)
-                now = _output_at(outputs, tensor.untyped_storage().data_ptr(), alive=True)
-                if was or now:
-                    where = f" (recorded {was or 'off the path outputs'}, now {now or 'off the path outputs'})"
+            was = next(iter(index.get(recorded[i], ())), None)
+            now = live_output_on_storage(refs, index, tensor.untyped_storage().data_ptr(), _deref)
+            where = f" (recorded {_output(was)}, now {_output(now)})" if was or now else ""
             moved.append(f"{name} {list(tensor.shape)} moved{where}")
     return moved
 
 
-def _path_outputs(path_weakrefs: Any) -> dict[int, list[tuple[int, int, Any]]] | None:
-    """Storage pointer -> ``(graph, output, ref)`` of the path's outputs (the trees' weak references keep their
-    storage's pointer), or None where the recording keeps no path."""
-    if path_weakrefs is None:
-        return None
-    found: dict[int, list[tuple[int, int, Any]]] = {}
-    for d, refs in enumerate(path_weakrefs):
-        for i, ref in enumerate(refs):
-            if ref is not None and hasattr(ref, "data_ptr"):
-                found.setdefault(ref.data_ptr(), []).append((d, i, ref))
-    return found
+def _output(position: tuple[int, int] | None) -> str:
+    """``output i of graph d`` of the path, for its ``(d, i)``."""
+    return "off the path outputs" if position is None else f"output {position[1]} of graph {position[0]}"
 
 
-def _output_at(outputs: dict[int, list[tuple[int, int, Any]]], pointer: int, *, alive: bool) -> str | None:
-    """``output i of graph d``: the first output of the path on the storage at ``pointer`` (alive now, if
-    ``alive``), or None."""
-    for d, i, ref in outputs.get(pointer, ()):
-        if not alive or _alive(ref):
-            return f"output {i} of graph {d}"
-    return None
+def _deref(ref: Any) -> Any:
+    """The storage a path's weak reference (the trees' ``StorageWeakRefWrapper``) refers to, or None."""
+    return ref()
 
 
 def _alive(ref: Any) -> bool:
     """A path's weak reference to an output (the trees' ``StorageWeakRefWrapper``, or None) still refers to it."""
-    return ref is not None and ref() is not None
+    return ref is not None and _deref(ref) is not None
 
 
 def describe(counts: collections.Counter[str]) -> str:

@@ -189,8 +189,8 @@ def test_a_failed_check_names_what_it_found_moved_or_alive(monkeypatch: pytest.M
     why = graph_events.why_check_failed
     assert why(node, [a, b, w], "CudagraphManagedIdxMismatch") == ["getitem_3 [4] moved"]
     assert why(node, [a, b, w], "StaticInputIdxMismatch") == ["primals_9 [5] moved"]
-    live = torch.zeros(1)
-    node.path_weakrefs = [[weakref.ref(live), None], [lambda: None]]  # alive, no output, freed
+    live, gone = torch.zeros(1), torch.zeros(1)
+    node.path_weakrefs = [[_StorageRef(live), None], [_StorageRef(gone, alive=False)]]  # alive, no output, freed
     node.expected_dead_indices_before_graph = [(0, 0), (1, 0)]
     assert why(node, [], "ExpectedDeadIndicesBeforeGraphMismatch") == ["output 0 of graph 0 alive"]
     assert why(SimpleNamespace(), [a, b], "CudagraphManagedIdxMismatch") == []
