@@ -186,8 +186,9 @@ class TrainConfig(Section):
     """With ``fsdp`` on CUDA: keep the parameter shards, gradients and optimizer state in host memory (the
     optimizer steps there). Nothing to offload on the CPU."""
     attention: Literal["auto", "efficient", "cudnn"] = "auto"
-    """The kernel of the DiT's masked attention: ``auto`` (default) cuDNN's when the blocks are compiled, else
-    the memory-efficient one; ``efficient`` the memory-efficient kernel; ``cudnn`` cuDNN's, faster, but it
+    """The kernel of the DiT's masked attention: ``auto`` (default) cuDNN's when the blocks are compiled and
+    either recorded as CUDA graphs or attending in row groups (``skip_future_keys``), else the memory-efficient
+    one (compiled blocks without graphs are host-bound, and cuDNN's calls cost the host more); ``efficient`` the memory-efficient kernel; ``cudnn`` cuDNN's, faster, but it
     builds a plan for every new shape: the pyramid's shapes change every step, so in eager training the
     planning and the host cost per call outweigh its faster kernel, while compiled blocks meet a fixed set of
     shapes (the log lists them), each planned once in the warm-up, and compiled row groups send it only calls
@@ -403,9 +404,9 @@ def resolve_train_speed(
     train: TrainConfig, device_type: str, world_size: int, no_compiler: str | None = None
 ) -> TrainSpeed:
     """The ``auto`` speed options for this device and world size: compiled blocks on CUDA, without CUDA graphs
-    (``train.cuda_graphs``); cuDNN attention with compiled blocks (their fixed set of shapes is planned once),
-    the memory-efficient kernel otherwise. ``train.fsdp`` with one CUDA process (no host offload) shards nothing:
-    skipped (no gathers around the blocks). ``no_compiler``: why ``torch.compile`` cannot generate code here (no
+    (``train.cuda_graphs``); cuDNN attention with compiled blocks recorded as graphs or attending in row groups
+    (their fixed set of shapes is planned once), the memory-efficient kernel otherwise. ``train.fsdp`` with one
+    CUDA process (no host offload) shards nothing: skipped (no gathers around the blocks). ``no_compiler``: why ``torch.compile`` cannot generate code here (no
     Triton): ``auto`` then keeps the eager blocks. Explicit ``true`` / ``false`` settings are kept."""
     cuda = device_type == "cuda"
     notes = []
@@ -420,8 +421,8 @@ def resolve_train_speed(
         notes.append(f"eager blocks: torch.compile cannot generate code here ({no_compiler})")
     graphs = compiled and train.cuda_graphs is True
     attention = train.attention
-    if attention == "auto":
-        attention = "cudnn" if compiled else "efficient"
+    if attention == "auto":  # cuDNN's kernel costs the host more a call: only where the host keeps up
+        attention = "cudnn" if compiled and (graphs or train.skip_future_keys) else "efficient"
     checkpointing = "none"
     if train.gradient_checkpointing:
         checkpointing = f"{train.gradient_checkpointing_ratio:g} {train.gradient_checkpointing_policy}"

@@ -349,8 +349,8 @@ def test_compiled_runs_log_their_warm_up(
 def test_cuda_defaults_and_cuda_graphs_train_like_the_eager_path_with_accumulation(
     cache: Path, tmp_path: Path
 ) -> None:
-    """Two micro-batches per step on CUDA, bf16 autocast: the defaults (compiled blocks, cuDNN attention, no
-    graphs) and compiled blocks as CUDA graphs, where the first micro-batch's gradients survive the second
+    """Two micro-batches per step on CUDA, bf16 autocast: the defaults (compiled blocks, the memory-efficient
+    attention kernel, no graphs) and compiled blocks as CUDA graphs (cuDNN's kernel), where the first micro-batch's gradients survive the second
     one's forward (which reuses the graphs' memory): the losses follow the eager path's within the rounding of
     bf16 autocast."""
     common = {"max_steps": 3, "grad_accum": 2, "export": False}
@@ -363,7 +363,7 @@ def test_cuda_defaults_and_cuda_graphs_train_like_the_eager_path_with_accumulati
         runs[name] = [r["loss"] for r in metrics(tmp_path / name) if "loss" in r]
         settled = yaml.safe_load((tmp_path / name / "config.yaml").read_text())["train"]
         assert settled["cuda_graphs"] is (name == "graphs") and settled["compile"] is (name != "eager")
-        assert settled["attention"] == ("efficient" if name == "eager" else "cudnn")
+        assert settled["attention"] == ("cudnn" if name == "graphs" else "efficient")
     # (the defect the graphs' case guards against stopped the second micro-batch's backward with an error);
     # bf16 rounds each product's inputs to 8 bits (2^-8 relative) and the paths fuse differently
     for name in ("default", "graphs"):

@@ -130,24 +130,26 @@ def test_cuda_graphs_names_each_setting_it_cannot_work_with(overrides: list[str]
 
 
 # (overrides, device, world) -> (compile, cuda_graphs, attention, fsdp): the defaults are the compiled
-# blocks with cuDNN's attention on CUDA, the eager ones on the CPU; CUDA graphs only when asked for
+# blocks on CUDA, the eager ones on the CPU; CUDA graphs only when asked for; cuDNN's attention only with the
+# graphs or row groups (skip_future_keys), the memory-efficient kernel otherwise
 SPEED_CASES = [
-    ([], "cuda", 1, (True, False, "cudnn", "none")),
+    ([], "cuda", 1, (True, False, "efficient", "none")),
     ([], "cpu", 2, (False, False, "efficient", "none")),
     (["train.compile=false"], "cuda", 1, (False, False, "efficient", "none")),
-    (["train.gradient_checkpointing=true"], "cuda", 1, (True, False, "cudnn", "none")),
-    (["train.fsdp=shard_grad_op"], "cuda", 2, (True, False, "cudnn", "shard_grad_op")),
-    (["train.fsdp=shard_grad_op"], "cuda", 1, (True, False, "cudnn", "none")),  # one process: nothing to shard
-    (["train.grad_accum=2"], "cuda", 1, (True, False, "cudnn", "none")),
+    (["train.gradient_checkpointing=true"], "cuda", 1, (True, False, "efficient", "none")),
+    (["train.fsdp=shard_grad_op"], "cuda", 2, (True, False, "efficient", "shard_grad_op")),
+    (["train.fsdp=shard_grad_op"], "cuda", 1, (True, False, "efficient", "none")),  # one process: nothing to shard
+    (["train.grad_accum=2"], "cuda", 1, (True, False, "efficient", "none")),
     (["train.grad_accum=2", "train.cuda_graphs=true"], "cuda", 1, (True, True, "cudnn", "none")),
     (
         ["train.fsdp=full_shard", "train.fsdp_cpu_offload=true"],
         "cuda",
         1,
-        (True, False, "cudnn", "full_shard"),
+        (True, False, "efficient", "full_shard"),
     ),
     (["train.fsdp=full_shard"], "cpu", 1, (False, False, "efficient", "full_shard")),
-    (["train.cuda_graphs=false"], "cuda", 1, (True, False, "cudnn", "none")),
+    (["train.cuda_graphs=false"], "cuda", 1, (True, False, "efficient", "none")),
+    (["train.skip_future_keys=true"], "cuda", 2, (True, False, "cudnn", "none")),
     (["train.cuda_graphs=true", "train.attention=efficient"], "cuda", 1, (True, True, "efficient", "none")),
     (["train.gradient_checkpointing=true", "train.skip_future_keys=true"], "cuda", 1, (True, False, "cudnn", "none")),
     (["train.compile=false", "train.skip_future_keys=true"], "cuda", 1, (False, False, "efficient", "none")),
