@@ -188,12 +188,13 @@ class TrainConfig(Section):
     attention: Literal["auto", "efficient", "cudnn"] = "auto"
     """The kernel of the DiT's masked attention: ``auto`` (default) cuDNN's when the blocks are compiled and
     either recorded as CUDA graphs or attending in row groups (``skip_future_keys``), else the memory-efficient
-    one (compiled blocks without graphs are host-bound, and cuDNN's calls cost the host more); ``efficient`` the memory-efficient kernel; ``cudnn`` cuDNN's, faster, but it
-    builds a plan for every new shape: the pyramid's shapes change every step, so in eager training the
-    planning and the host cost per call outweigh its faster kernel, while compiled blocks meet a fixed set of
-    shapes (the log lists them), each planned once in the warm-up, and compiled row groups send it only calls
-    whose shapes recur: the masked ones (the text cut to a multiple of 32 tokens) and the image keys of the
-    mask-free ones (their valid text goes to the flash kernel). Same loss within bf16 rounding; no effect on
+    one (compiled blocks without graphs are host-bound, and cuDNN's calls cost the host more); ``efficient``
+    the memory-efficient kernel; ``cudnn`` cuDNN's, faster, but it builds a plan for every new shape: the
+    pyramid's shapes change every step, so in eager training the planning and the host cost per call outweigh
+    its faster kernel, while compiled blocks meet a fixed set of shapes (the log lists them), each planned once
+    in the warm-up, and compiled row groups send it only calls whose shapes recur: the masked ones (the text cut
+    to a multiple of 32 tokens) and the image keys of the mask-free ones (their valid text goes to the flash
+    kernel). Same loss within bf16 rounding; no effect on
     the CPU. Measured step times: ``benchmarks/RESULTS.md``."""
     skip_future_keys: bool = False
     """Cut the text padding and attend the query rows of long columns (6,144+ tokens) in groups of whole
@@ -406,8 +407,8 @@ def resolve_train_speed(
     """The ``auto`` speed options for this device and world size: compiled blocks on CUDA, without CUDA graphs
     (``train.cuda_graphs``); cuDNN attention with compiled blocks recorded as graphs or attending in row groups
     (their fixed set of shapes is planned once), the memory-efficient kernel otherwise. ``train.fsdp`` with one
-    CUDA process (no host offload) shards nothing: skipped (no gathers around the blocks). ``no_compiler``: why ``torch.compile`` cannot generate code here (no
-    Triton): ``auto`` then keeps the eager blocks. Explicit ``true`` / ``false`` settings are kept."""
+    CUDA process (no host offload) shards nothing: skipped (no gathers around the blocks). ``no_compiler``: why
+    ``torch.compile`` cannot generate code here (no Triton): ``auto`` then keeps the eager blocks. Explicit ``true`` / ``false`` settings are kept."""
     cuda = device_type == "cuda"
     notes = []
     fsdp = train.fsdp

@@ -94,7 +94,8 @@ def test_dry_run_prints_the_plan(cache: Path) -> None:
     rows = [ln for ln in result.output.splitlines() if ln.strip() and ln.split()[0].isdigit()]
     assert len(rows) == 2 * 4  # 2 steps x 4 ranks
     assert "tokens per sync group and step" in result.output
-    # what CUDA would run (4 processes, no checkpointing, one micro-batch: compiled blocks, the memory-efficient attention),
+    # what CUDA would run (4 processes, no checkpointing, one micro-batch: compiled blocks, the memory-efficient
+    # attention),
     # and the warm-up's inputs on rank 0: M / G = 2 unit positions of each of the 2 buckets
     flat = "".join(result.output.split())  # (the console wraps long lines, also after hyphens)
     assert "onCUDAwith4process(es):compiledblocks;checkpointingnone;attentionefficient" in flat

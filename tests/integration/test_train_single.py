@@ -350,9 +350,9 @@ def test_cuda_defaults_and_cuda_graphs_train_like_the_eager_path_with_accumulati
     cache: Path, tmp_path: Path
 ) -> None:
     """Two micro-batches per step on CUDA, bf16 autocast: the defaults (compiled blocks, the memory-efficient
-    attention kernel, no graphs) and compiled blocks as CUDA graphs (cuDNN's kernel), where the first micro-batch's gradients survive the second
-    one's forward (which reuses the graphs' memory): the losses follow the eager path's within the rounding of
-    bf16 autocast."""
+    attention kernel, no graphs) and compiled blocks as CUDA graphs (cuDNN's kernel), where the first
+    micro-batch's gradients survive the second one's forward (which reuses the graphs' memory): the losses
+    follow the eager path's within the rounding of bf16 autocast."""
     common = {"max_steps": 3, "grad_accum": 2, "export": False}
     runs = {}
     settings = {"eager": {"compile": False}, "default": {}, "graphs": {"cuda_graphs": True}}
