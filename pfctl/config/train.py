@@ -194,8 +194,8 @@ class TrainConfig(Section):
     its faster kernel, while compiled blocks meet a fixed set of shapes (the log lists them), each planned once
     in the warm-up, and compiled row groups send it only calls whose shapes recur: the masked ones (the text cut
     to a multiple of 32 tokens) and the image keys of the mask-free ones (their valid text goes to the flash
-    kernel). Same loss within bf16 rounding; no effect on
-    the CPU. Measured step times: ``benchmarks/RESULTS.md``."""
+    kernel). Same loss within bf16 rounding; no effect on the CPU. Measured step times:
+    ``benchmarks/RESULTS.md``."""
     skip_future_keys: bool = False
     """Cut the text padding and attend the query rows of long columns (6,144+ tokens) in groups of whole
     frames (512+ rows; a frame that large alone), each against the keys up to its last frame only, forward
@@ -408,7 +408,8 @@ def resolve_train_speed(
     (``train.cuda_graphs``); cuDNN attention with compiled blocks recorded as graphs or attending in row groups
     (their fixed set of shapes is planned once), the memory-efficient kernel otherwise. ``train.fsdp`` with one
     CUDA process (no host offload) shards nothing: skipped (no gathers around the blocks). ``no_compiler``: why
-    ``torch.compile`` cannot generate code here (no Triton): ``auto`` then keeps the eager blocks. Explicit ``true`` / ``false`` settings are kept."""
+    ``torch.compile`` cannot generate code here (no Triton): ``auto`` then keeps the eager blocks. Explicit
+    ``true`` / ``false`` settings are kept."""
     cuda = device_type == "cuda"
     notes = []
     fsdp = train.fsdp
