@@ -229,6 +229,16 @@ class TrainConfig(Section):
     grows with the number of inputs a rank builds (the log lists them); a step after the warm-up that records
     graphs again is named in a warning. Held-out losses and validation samples run the blocks eagerly.
     ``true`` refuses gradient checkpointing and FSDP over several processes."""
+    merge_micro_batches: bool | Literal["auto"] = "auto"
+    """Run a step's ``grad_accum`` micro-batches as one forward and one backward: their columns side by side in
+    one DiT call. Each micro-batch is drawn and noised as before, and the loss is the mean over all their
+    columns either way, so loss and gradients are the same up to float rounding. Each block's products and
+    kernels then run once per step rather than once per micro-batch, and no gradient is accumulated: fewer,
+    larger launches for the host, which sets the pace of compiled blocks without CUDA graphs. The cost is
+    memory: the activations of every micro-batch at once. ``auto`` (default): merged on CUDA with compiled
+    blocks without CUDA graphs and without activation checkpointing (a run that checkpoints puts memory
+    first), when the memory estimate of the merged step (``--dry-run`` prints it) fits in 90% of the GPU's
+    memory; one forward per micro-batch otherwise, and always on the CPU. ``true`` / ``false`` force it."""
     compile_cache: bool = True
     """With compiled blocks: what the compiler built (graphs, generated kernels, tuning results) is saved to
     ``<output_dir>/compile-cache.bin`` when the warm-up ends, and loaded when a run starts on that output
@@ -392,24 +402,40 @@ class TrainSpeed:
     fsdp: str
     notes: tuple[str, ...] = ()
     checkpointing: str = "none"  # ``none``, or the ratio and policy, e.g. ``0.75 selective``
+    merge_micro_batches: bool | None = None  # None: one micro-batch a step (nothing to merge)
 
     def describe(self) -> str:
         """One log line: what runs, and why where an ``auto`` decided."""
         graphs = " + CUDA graphs" if self.cuda_graphs else ""
         head = f"compiled blocks{graphs}" if self.compile else "eager blocks"
-        parts = [head, f"checkpointing {self.checkpointing}", f"attention {self.attention}", f"fsdp {self.fsdp}"]
+        parts = [
+            head,
+            f"checkpointing {self.checkpointing}",
+            f"attention {self.attention}",
+            f"fsdp {self.fsdp}",
+        ]
+        if self.merge_micro_batches is not None:
+            parts.append("micro-batches " + ("merged" if self.merge_micro_batches else "one by one"))
         return "; ".join(parts) + "".join(f" ({note})" for note in self.notes)
 
 
 def resolve_train_speed(
-    train: TrainConfig, device_type: str, world_size: int, no_compiler: str | None = None
+    train: TrainConfig,
+    device_type: str,
+    world_size: int,
+    no_compiler: str | None = None,
+    merge_too_big: str | None = None,
 ) -> TrainSpeed:
     """The ``auto`` speed options for this device and world size: compiled blocks on CUDA, without CUDA graphs
     (``train.cuda_graphs``); cuDNN attention with compiled blocks recorded as graphs or attending in row groups
-    (their fixed set of shapes is planned once), the memory-efficient kernel otherwise. ``train.fsdp`` with one
-    CUDA process (no host offload) shards nothing: skipped (no gathers around the blocks). ``no_compiler``: why
-    ``torch.compile`` cannot generate code here (no Triton): ``auto`` then keeps the eager blocks. Explicit
-    ``true`` / ``false`` settings are kept."""
+    (their fixed set of shapes is planned once), the memory-efficient kernel otherwise; a step's micro-batches
+    merged into one forward where the blocks are compiled without graphs (the host sets the pace there) and
+    without activation checkpointing (a run that checkpoints puts memory first).
+    ``train.fsdp`` with one CUDA process (no host offload) shards nothing: skipped (no gathers around the
+    blocks). ``no_compiler``: why ``torch.compile`` cannot generate code here (no Triton): ``auto`` then keeps
+    the eager blocks. ``merge_too_big``: why the merged step would not fit this GPU's memory (the caller's
+    estimate): ``auto`` then runs the micro-batches one by one. Explicit ``true`` / ``false`` settings are
+    kept."""
     cuda = device_type == "cuda"
     notes = []
     fsdp = train.fsdp
@@ -428,7 +454,14 @@ def resolve_train_speed(
     checkpointing = "none"
     if train.gradient_checkpointing:
         checkpointing = f"{train.gradient_checkpointing_ratio:g} {train.gradient_checkpointing_policy}"
-    return TrainSpeed(compiled, graphs, attention, fsdp, tuple(notes), checkpointing)
+    merge = None
+    if train.grad_accum > 1:
+        merge = train.merge_micro_batches is True
+        if train.merge_micro_batches == "auto" and compiled and not (graphs or train.gradient_checkpointing):
+            merge = merge_too_big is None
+            if not merge:
+                notes.append(f"micro-batches one by one: {merge_too_big}")
+    return TrainSpeed(compiled, graphs, attention, fsdp, tuple(notes), checkpointing, merge)
 
 
 def check_trackers(trackers: list[str]) -> None:

@@ -8,7 +8,9 @@ Batch packing (training): a batch of ``B`` clips is split into ``K = sum(sample_
 interleaved *columns*; column ``k`` takes batch rows ``k::K`` and trains stage
 ``column_to_stage[k]`` (``[0, 1, 1, 2]`` for the reference ratios ``(1, 2, 1)``). The DiT input is a
 list with one entry per column; its text/timestep rows are ordered ``r = b*K + k`` — which is just
-the original batch order, so text features need no reordering.
+the original batch order, so text features need no reordering. Several such batches with the same ``Bc``
+merge into one forward of all their columns side by side (:func:`merge_pyramid_batches`; their rows in the
+merged order: :func:`merged_row_order`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ __all__ = [
     "history_clips",
     "history_layout",
     "interpolate",
+    "merge_pyramid_batches",
+    "merged_row_order",
     "plan_stage_lengths",
     "pyramid_latents",
     "pyramid_noise",
@@ -390,6 +394,41 @@ class _ColumnBatch:
             timesteps_per_column=self.timesteps,
             units_per_stage=units_per_stage,
         )
+
+
+def merge_pyramid_batches(batches: Sequence[PyramidBatch]) -> PyramidBatch:
+    """One DiT input holding the columns of every batch, in order (batch i's column k follows all the columns
+    of the batches before it); each column keeps its clips, target, ratio, timesteps and stage. The batches
+    must have the same samples per column ``Bc``; their text rows go in :func:`merged_row_order`. The loss of
+    the merged predictions (the mean over all columns and samples) is the mean of the batches' losses, as
+    their columns are equally many. ``units_per_stage`` is dropped (the batches may differ in it)."""
+    if not batches:
+        raise ValueError("no batch to merge")
+    per_column = {col[-1].shape[0] for b in batches for col in b.sample}
+    if len(per_column) != 1:
+        raise ValueError(f"batches with different samples per column {sorted(per_column)} cannot be merged")
+    per_col_timesteps = [t for b in batches for t in b.timesteps_per_column]
+    return PyramidBatch(
+        sample=[col for b in batches for col in b.sample],
+        timesteps=_interleave(per_col_timesteps),
+        targets=[t for b in batches for t in b.targets],
+        ratios=[r for b in batches for r in b.ratios],
+        column_to_stage=[s for b in batches for s in b.column_to_stage],
+        timesteps_per_column=per_col_timesteps,
+    )
+
+
+def merged_row_order(columns: Sequence[int], per_column: int) -> list[int]:
+    """The text rows of the merged batch (:func:`merge_pyramid_batches`) as indices into the batches' rows
+    concatenated: batch i has ``columns[i]`` columns of ``per_column`` samples, its rows ``b*K_i + k``; the
+    merged rows are ``b*sum(K) + k'`` with batch i's column k at ``k' = sum(columns[:i]) + k``."""
+    starts = [sum(columns[:i]) * per_column for i in range(len(columns))]
+    return [
+        start + b * k_cols + k
+        for b in range(per_column)
+        for start, k_cols in zip(starts, columns, strict=True)
+        for k in range(k_cols)
+    ]
 
 
 def build_temporal_pyramid_batch(

@@ -3,7 +3,7 @@ the sharding-aware optimizer state.
 
 The trainer's setup goes model build (:func:`build_model`) → trained weights (full or LoRA:
 :mod:`pfctl.training.weights`) → resume weights → speed layer (activation checkpointing, compile,
-sharding) → optimizer; this module holds the first step and the sharding.
+sharding) → optimizer; this module holds the first step, the model's part of the speed layer and the sharding.
 """
 
 from __future__ import annotations
@@ -145,3 +145,31 @@ def check_lora_runtime(cfg: TrainConfig, mixed_precision: str) -> None:
             f"train.base_dtype=bf16 needs bf16 autocast, but the run's mixed precision is {mixed_precision!r}",
             hint="--set runtime.mixed_precision=bf16 (the CUDA default), or train.base_dtype=fp32",
         )
+
+
+def apply_fast_paths(model: torch.nn.Module, config: Any, device: torch.device) -> None:
+    """The model's part of the speed layer (:func:`pfctl.models.fast.apply_fast_paths`): the ``fast:``
+    kernels, activation checkpointing (``train.gradient_checkpointing``), then compiled blocks
+    (``train.compile`` + ``train.cuda_graphs`` as the trainer settled them: CUDA only). Applied after LoRA,
+    so the compiled graphs include the adapters."""
+    cfg = config.train
+    compiled = cfg.compile is True and device.type == "cuda"
+    if not (config.fast.any_on or cfg.gradient_checkpointing or compiled):
+        return
+    from pfctl.models import fast
+    from pfctl.runtime import logging as pflog
+
+    ratio = cfg.gradient_checkpointing_ratio if cfg.gradient_checkpointing else 0.0
+    # column sizes change independently every step
+    graphs = compiled and cfg.cuda_graphs is True
+    paths = fast.FastPaths(
+        config.fast,
+        checkpointing_ratio=ratio,
+        checkpointing_policy=cfg.gradient_checkpointing_policy,
+        compile=compiled,
+        independent_sizes=True,
+        cuda_graphs=graphs,
+    )
+    applied = fast.apply_fast_paths(model, paths)
+    if applied:
+        pflog.log("fast paths: " + ", ".join(applied))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from pfctl.config.train import TrainConfig
 from pfctl.data.dataset import (
@@ -25,6 +26,7 @@ from pfctl.data.dataset import (
     stored_latent,
 )
 from pfctl.errors import CacheError, ConfigError
+from pfctl.flow.pyramid import merged_row_order
 from pfctl.models.attention_layout import right_padded_lengths
 
 #: The cached text conditioning: key and the number of dimensions of one clip's tensor.
@@ -244,3 +246,44 @@ class BatchFeed:
             prompt_attention_mask=fn(batch.prompt_attention_mask),
             pooled_prompt_embeds=fn(batch.pooled_prompt_embeds),
         )
+
+
+@dataclass
+class TextRows:
+    """The text conditioning of one DiT call, row ``r`` for the DiT's row ``r``."""
+
+    prompt_embeds: torch.Tensor
+    prompt_attention_mask: torch.Tensor
+    pooled_prompt_embeds: torch.Tensor
+    text_lengths: list[int] | None
+
+    @classmethod
+    def of(cls, batch: TrainBatch) -> TextRows:
+        """The rows of one micro-batch, as they are."""
+        return cls(batch.prompt_embeds, batch.prompt_attention_mask, batch.pooled_prompt_embeds, batch.text_lengths)
+
+
+def merged_text_rows(batches: list[TrainBatch], columns: int) -> TextRows:
+    """The text rows of micro-batches of ``columns`` columns each, in the row order of their merged DiT input
+    (:func:`pfctl.flow.pyramid.merged_row_order`). Text of different lengths is right-padded to the longest,
+    the padding masked out (as the encoder's own padding is)."""
+    width = max(b.prompt_embeds.shape[1] for b in batches)
+    per_column = batches[0].prompt_embeds.shape[0] // columns
+
+    def rows(tensors: list[torch.Tensor]) -> torch.Tensor:  # (no index tensor: no copy to the device)
+        return torch.cat([t.unflatten(0, (per_column, columns)) for t in tensors], dim=1).flatten(0, 1)
+
+    lengths = None
+    if all(b.text_lengths is not None for b in batches):
+        flat = [n for b in batches for n in b.text_lengths]
+        lengths = [flat[i] for i in merged_row_order([columns] * len(batches), per_column)]
+    return TextRows(
+        prompt_embeds=rows(
+            [F.pad(b.prompt_embeds, (0, 0, 0, width - b.prompt_embeds.shape[1])) for b in batches]
+        ),
+        prompt_attention_mask=rows(
+            [F.pad(b.prompt_attention_mask, (0, width - b.prompt_attention_mask.shape[1])) for b in batches]
+        ),
+        pooled_prompt_embeds=rows([b.pooled_prompt_embeds for b in batches]),
+        text_lengths=lengths,
+    )

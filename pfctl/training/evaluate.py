@@ -12,7 +12,7 @@ import torch
 
 from pfctl.data.dataset import unbatch
 from pfctl.runtime import logging as pflog
-from pfctl.training.data import TEXT_KEYS, TrainData
+from pfctl.training.data import TEXT_KEYS, TextRows, TrainData
 
 LABEL_CHARS = 90
 """Captions longer than this are cut (with "...") in the sheet's row labels."""
@@ -128,3 +128,57 @@ def clip_fps(cache: Any, clip_id: str) -> float:
         return float(cache.metadata(clip_id).get("fps", 24))
     except ValueError:
         return 24.0
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / max(len(values), 1)
+
+
+@torch.no_grad()
+def heldout_loss(trainer: Any) -> dict[str, float]:
+    """Mean loss over the held-out clips with fixed noise (comparable across steps): ``heldout_loss`` and per
+    stage ``heldout_loss_stage<k>``, of ``trainer`` (:class:`pfctl.training.trainer.Trainer`: its model,
+    data, and the noising and DiT call it trains with).
+
+    Each clip fills all K columns of a batch (so every stage is measured on it) and is noised by a generator
+    seeded from the clip's index — the training RNGs are not touched.
+    """
+    from pfctl.data.dataset import group_rng, stored_latent
+    from pfctl.flow.loss import flow_matching_loss
+    from pfctl.flow.pyramid import plan_stage_lengths, pyramid_latents
+
+    cfg, device, data = trainer.cfg, trainer.runtime.device, trainer.data
+    k = sum(cfg.sample_ratios)
+    trainer.model.eval()
+    losses, per_stage = [], {stage: [] for stage in trainer.stages}
+    for i, clip in enumerate(data.heldout):
+        entry = data.cache.load(clip.id)
+        frames = min(clip.num_latent_frames, cfg.max_units)
+        latent = data.loader.normalize(stored_latent(entry)[None, :, :frames].float())
+        gen = torch.Generator(device=device).manual_seed(
+            int(group_rng(trainer.runtime.seed, 301, i).integers(2**62))
+        )
+        pyramid = pyramid_latents(latent.repeat(k, 1, 1, 1, 1).to(device), num_stages=3)
+        units = None
+        if cfg.use_temporal_pyramid:
+            units = plan_stage_lengths(cfg.max_units, 1).lengths(i, 0, clip_units=frames)
+        inputs = trainer.noise_inputs(pyramid, units, gen, draw_unused_corruption=True)
+        text = {
+            key: unbatch(entry[key], nd).unsqueeze(0).repeat_interleave(k, 0).to(device)
+            for key, nd in TEXT_KEYS
+        }
+        rows = TextRows(
+            text["prompt_embeds"].float(),
+            text["prompt_attention_mask"].long(),
+            text["pooled_prompt_embeds"].float(),
+            text_lengths=None,
+        )
+        predictions = trainer.predict(inputs, rows)
+        result = flow_matching_loss(predictions, inputs.targets, inputs.column_to_stage)
+        losses.append(float(result.loss))
+        for stage, value in result.per_stage.items():
+            per_stage[stage].append(float(value))
+    trainer.model.train()
+    return {"heldout_loss": _mean(losses)} | {
+        f"heldout_loss_stage{s}": _mean(v) for s, v in per_stage.items()
+    }

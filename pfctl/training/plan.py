@@ -277,19 +277,33 @@ def dry_run(config: Any, *, world_size: int | None = None, steps: int | None = N
     )  # fmt: skip
     bad = sorted(c for c, ok in probed.items() if not ok)
     notes.append(f"cache {cache.root}: {len(clips)} clips, fingerprint {cache.fingerprint}, format ok")
-    notes.append(speed_note(train, world, [c for c in clips if c.id not in heldout]))
+    merged_peak = None
+    if resolve_train_speed(train, "cuda", world).merge_micro_batches:
+        merged_peak = estimate_for_run(config, cache, clips, merged=True).total
+    notes.append(speed_note(train, world, [c for c in clips if c.id not in heldout], merged_peak))
     if bad:
         notes.append(f"clips that fail to load (replaced in the run): {', '.join(bad)}")
     report.notes = notes
-    report.memory = estimate_for_run(config, cache, clips)
+    report.memory = estimate_for_run(config, cache, clips, merged=train.merge_micro_batches is True)
     return report
 
 
-def speed_note(train: TrainConfig, world_size: int, clips: list[ClipInfo]) -> str:
+def speed_note(
+    train: TrainConfig, world_size: int, clips: list[ClipInfo], merged_peak: int | None = None
+) -> str:
     """What the run settles its speed options to on CUDA (:func:`resolve_train_speed`) and, with compiled
-    blocks, how many distinct inputs rank 0 builds (each compiled once, and recorded once with graphs)."""
+    blocks, how many distinct inputs rank 0 builds (each compiled once, and recorded once with graphs);
+    ``merged_peak``: the memory estimate of a step with merged micro-batches, which ``auto`` merges only on a
+    GPU it fits (:func:`merge_too_big`)."""
+    from pfctl.training.memory import format_bytes
+
     speed = resolve_train_speed(train, "cuda", world_size)
     note = f"on CUDA with {world_size} process(es): {speed.describe()}"
+    if merged_peak is not None and train.merge_micro_batches == "auto":
+        note += (
+            f"; micro-batches merged on a GPU of {format_bytes(merged_peak / MERGE_MEMORY_SHARE)} or more (the"
+            f" merged step's estimated peak: {format_bytes(merged_peak)}), one by one on a smaller one"
+        )
     if speed.compile:
         note += f"; warm-up: {len(token_count_sets(train, 0, clips))} distinct inputs on rank 0"
         if train.compile_cache:
@@ -299,8 +313,27 @@ def speed_note(train: TrainConfig, world_size: int, clips: list[ClipInfo]) -> st
     return note + " (the CPU runs eager blocks)"
 
 
-def estimate_for_run(config: Any, cache: Any, clips: list[ClipInfo]) -> Any:
-    """The memory estimate of the run's worst-case forward (largest bucket, all units).
+#: The share of a GPU's memory the estimated peak of a merged step may take (``train.merge_micro_batches``
+#: ``auto``): the estimate leaves out the CUDA context, fragmentation and workspaces.
+MERGE_MEMORY_SHARE = 0.9
+
+
+def merge_too_big(merged_peak: int, gpu_bytes: int) -> str | None:
+    """Why a step with merged micro-batches, of estimated peak ``merged_peak``, is not run on a GPU of
+    ``gpu_bytes`` (None: it fits)."""
+    from pfctl.training.memory import format_bytes
+
+    if merged_peak <= MERGE_MEMORY_SHARE * gpu_bytes:
+        return None
+    return (
+        f"the merged step's estimated peak {format_bytes(merged_peak)} exceeds {MERGE_MEMORY_SHARE:.0%} of the "
+        f"GPU's {format_bytes(gpu_bytes)}"
+    )
+
+
+def estimate_for_run(config: Any, cache: Any, clips: list[ClipInfo], *, merged: bool = False) -> Any:
+    """The memory estimate of the run's worst-case forward (largest bucket, all units); ``merged``: of the step
+    whose ``grad_accum`` micro-batches run as one forward (``train.merge_micro_batches``).
 
     Builds the DiT on the meta device (no weights), which also validates ``train.lora.targets``.
     """
@@ -325,6 +358,7 @@ def estimate_for_run(config: Any, cache: Any, clips: list[ClipInfo]) -> Any:
     per_column = train.batch_size // len(stages)
     units = frames if train.use_temporal_pyramid else None
     columns = tuple((per_column, column_tokens(s, units, frames, height, width)) for s in stages)
+    forwards = train.grad_accum if merged else 1
     text_len = 128  # T5's length in the released models, if no clip can be read
     for cid in cache.ids()[:8]:  # a broken clip is the plan's business (it gets replaced), not ours
         try:
@@ -333,15 +367,17 @@ def estimate_for_run(config: Any, cache: Any, clips: list[ClipInfo]) -> Any:
         except Exception:
             continue
     estimate = estimate_memory(
-        model, Workload(columns, text_len), lora_targets=targets, lora_rank=train.lora.rank,
+        model, Workload(columns * forwards, text_len), lora_targets=targets, lora_rank=train.lora.rank,
         base_dtype=train.base_dtype, compute_dtype="bf16" if precision == "bf16" else "fp32",
         optimizer=train.optimizer, ema=train.ema_decay is not None,
         gradient_checkpointing=train.gradient_checkpointing, checkpointing_ratio=train.gradient_checkpointing_ratio,
         checkpointing_policy=train.gradient_checkpointing_policy,
-        grad_accum=train.grad_accum,
+        grad_accum=train.grad_accum // forwards,
     )  # fmt: skip
+    what = f"{forwards} micro-batches merged, " if merged else ""
     estimate.notes.append(
-        f"worst-case forward: bucket {frames}x{height}x{width} latents, {len(stages)} columns of {per_column}, "
+        f"worst-case forward: {what}bucket {frames}x{height}x{width} latents, "
+        f"{len(stages) * forwards} columns of {per_column}, "
         f"text length {text_len}; compute {'fp32' if precision == 'no' else precision} on {device}"
         + ("" if runtime.device != "auto" else " (runtime.device auto: assumed a GPU)")
     )

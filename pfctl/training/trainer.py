@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from pfctl.config.train import TrainConfig, check_train_constraints, columns_to_stages, resolve_train_speed
-from pfctl.data.dataset import LatentClipLoader, TrainBatch, group_rng, stored_latent, unbatch
+from pfctl.data.dataset import LatentClipLoader, TrainBatch, group_rng
 from pfctl.errors import CheckFailed, CheckpointError
 from pfctl.flow.loss import flow_matching_loss
 from pfctl.flow.pyramid import (
@@ -41,6 +41,7 @@ from pfctl.flow.pyramid import (
     RandomSource,
     build_full_sequence_batch,
     build_temporal_pyramid_batch,
+    merge_pyramid_batches,
     plan_stage_lengths,
     pyramid_latents,
 )
@@ -49,22 +50,35 @@ from pfctl.runtime import faults, sharding
 from pfctl.runtime import logging as pflog
 from pfctl.runtime.collector import Collector
 from pfctl.training import checkpoint as ckpt
-from pfctl.training.build import build_model, load_optimizer_state, optimizer_state, shard_dit
+from pfctl.training.build import (
+    apply_fast_paths,
+    build_model,
+    load_optimizer_state,
+    optimizer_state,
+    shard_dit,
+)
 from pfctl.training.data import (
-    TEXT_KEYS,
     BatchFeed,
+    TextRows,
     build_data,
     cache_clips,
     cache_path,
     cache_vae_info,
     check_cache_matches_model,
     group_agreement,
+    merged_text_rows,
 )
 from pfctl.training.ema import EMA
-from pfctl.training.evaluate import ValidationSamples, sample_validation
+from pfctl.training.evaluate import ValidationSamples, heldout_loss, sample_validation
 from pfctl.training.logs import RunLogs, mfu, peak_flops
 from pfctl.training.optim import build_lr_scheduler, build_optimizer, restore_lr_scheduler
-from pfctl.training.plan import check_cache_buckets, measured_assignment, token_count_sets
+from pfctl.training.plan import (
+    check_cache_buckets,
+    estimate_for_run,
+    measured_assignment,
+    merge_too_big,
+    token_count_sets,
+)
 from pfctl.training.summary import write_summary
 from pfctl.training.trackers import flat_config, log_validation, start_trackers
 from pfctl.training.warmup import CompileCacheSite, WarmupWatch
@@ -72,10 +86,6 @@ from pfctl.training.weights import trained_weights
 from pfctl.utils.io import atomic_write_text
 
 _NOISE = 201
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / max(len(values), 1)
 
 
 @dataclass
@@ -235,39 +245,69 @@ class Trainer:
         return out
 
     def accumulate_gradients(self) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-        """``grad_accum`` forward/backwards. Returns the summed ``[loss, loss per stage..., tokens,
-        samples]`` (on the device), whether a micro-batch of this rank had a non-finite loss (read only
-        when the step's numbers are not finite, to name this rank's clips: no wait otherwise), and the
-        clip ids of the step."""
+        """``grad_accum`` micro-batches, each drawn and noised in turn, then run through the DiT each with its own
+        forward and backward, or all in one (``train.merge_micro_batches``, as settled: their columns side by
+        side, :func:`pfctl.flow.pyramid.merge_pyramid_batches`; each micro-batch has the same columns, so the
+        loss and the losses per stage are the means of theirs).
+
+        Returns the summed ``[loss, loss per stage..., tokens, samples]`` (on the device), whether this rank's
+        loss was non-finite (read only when the step's numbers are not finite, to name this rank's clips: no
+        wait otherwise), and the clip ids of the step."""
         cfg, acc, device = self.cfg, self.runtime.accelerator, self.runtime.device
         stats = torch.zeros(len(self.stages) + 3, dtype=torch.float64, device=device)
         local_bad = torch.zeros((), dtype=torch.bool, device=device)
         step_ids = []  # for the message when the loss is not finite
+        merged = cfg.merge_micro_batches is True and cfg.grad_accum > 1
+        drawn: list[tuple[TrainBatch, PyramidBatch]] = []
         for micro in range(cfg.grad_accum):
             tic = time.perf_counter()
-            batch = self.feed.next_batch(self.micro_step)
             last = micro == cfg.grad_accum - 1
-            if not (last and self.step + 1 >= cfg.max_steps):  # no batch after the run's last step
-                self.feed.prefetch(self.micro_step + 1)  # assembled while this micro-step is launched
-            self.data_seconds += time.perf_counter() - tic
-            if faults.poisoned("train_nan", rank=self.runtime.rank, step=self.step + 1):  # test hook
-                batch.latents = torch.full_like(batch.latents, float("nan"))
+            batch = self.next_micro_batch(last)
             step_ids.extend(batch.ids)
-            with contextlib.nullcontext() if last else self.no_sync():
-                loss, per_stage, record = self.forward(batch)
-                acc.backward(loss / cfg.grad_accum)
+            inputs, record = self.noised(batch)
             self.micro_step += 1
             if self.warmup is not None:
                 self.warmup.saw(record["bucket"], record["units"], tic)
-            loss = loss.detach()
-            stats[0] += loss.double() / cfg.grad_accum
-            local_bad |= ~torch.isfinite(loss)
-            for i, stage in enumerate(self.stages):
-                stats[1 + i] += per_stage[stage].double() / cfg.grad_accum
             stats[-2] += record["tokens"]  # python numbers: no host-to-device copy
             stats[-1] += cfg.batch_size
             self.write_assignment(record)
+            if merged:
+                drawn.append((batch, inputs))
+                continue
+            with contextlib.nullcontext() if last else self.no_sync():
+                loss, per_stage = self.loss(inputs, TextRows.of(batch))
+                acc.backward(loss / cfg.grad_accum)
+            local_bad |= self.tally(stats, loss, per_stage, cfg.grad_accum)
+        if merged:
+            batches, parts = zip(*drawn, strict=True)
+            text = merged_text_rows(list(batches), columns=len(parts[0].sample))
+            loss, per_stage = self.loss(merge_pyramid_batches(parts), text)
+            acc.backward(loss)
+            local_bad |= self.tally(stats, loss, per_stage, 1)
         return stats, local_bad, step_ids
+
+    def next_micro_batch(self, last: bool) -> TrainBatch:
+        """The batch of this micro-step on the device; the next one drawn and handed to the feed's thread
+        (none after the run's last step)."""
+        tic = time.perf_counter()
+        batch = self.feed.next_batch(self.micro_step)
+        if not (last and self.step + 1 >= self.cfg.max_steps):  # no batch after the run's last step
+            self.feed.prefetch(self.micro_step + 1)  # assembled while this micro-step is launched
+        self.data_seconds += time.perf_counter() - tic
+        if faults.poisoned("train_nan", rank=self.runtime.rank, step=self.step + 1):  # test hook
+            batch.latents = torch.full_like(batch.latents, float("nan"))
+        return batch
+
+    def tally(
+        self, stats: torch.Tensor, loss: torch.Tensor, per_stage: dict[int, torch.Tensor], parts: int
+    ) -> torch.Tensor:
+        """Add a forward's loss and losses per stage (one of ``parts`` equal parts of the step) to ``stats``;
+        returns whether the loss is non-finite (on the device)."""
+        loss = loss.detach()
+        stats[0] += loss.double() / parts
+        for i, stage in enumerate(self.stages):
+            stats[1 + i] += per_stage[stage].double() / parts
+        return ~torch.isfinite(loss)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """A non-final micro-step's backward keeps its gradients local (no all-reduce / reduce-scatter)."""
@@ -321,32 +361,28 @@ class Trainer:
             else contextlib.nullcontext()
         )
 
-    def forward(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[int, torch.Tensor], dict[str, Any]]:
-        """Pyramid inputs for this rank's units → DiT → flow-matching loss (+ the assignment record).
+    def noised(self, batch: TrainBatch) -> tuple[PyramidBatch, dict[str, Any]]:
+        """Pyramid inputs for this rank's units of this micro-step, and the assignment record.
 
-        ``batch`` is on the device already (:meth:`next_batch`)."""
+        ``batch`` is on the device already (:meth:`next_micro_batch`)."""
         cfg = self.cfg
         pyramid = pyramid_latents(batch.latents, num_stages=3)
-        rng = RandomSource.of(self.noise)
         units = None
         if cfg.use_temporal_pyramid:
             units = self.lengths.lengths(self.micro_step, self.runtime.rank, clip_units=batch.bucket[0])
-        inputs = self._noise_inputs(pyramid, units, rng, draw_unused_corruption=False)
-        predictions = self._predict(
-            inputs,
-            batch.prompt_embeds,
-            batch.prompt_attention_mask,
-            batch.pooled_prompt_embeds,
-            batch.text_lengths,
-        )
-        result = flow_matching_loss(predictions, inputs.targets, inputs.column_to_stage)
+        inputs = self.noise_inputs(pyramid, units, RandomSource.of(self.noise), draw_unused_corruption=False)
         record = measured_assignment(
             cfg, batch, inputs, step=self.step + 1, micro_step=self.micro_step, rank=self.runtime.rank,
             group=self.runtime.sync.index,
         )  # fmt: skip
-        return result.loss, result.per_stage, record
+        return inputs, record
 
-    def _noise_inputs(
+    def loss(self, inputs: PyramidBatch, text: TextRows) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """DiT → flow-matching loss: the loss (the mean over every column and sample) and the losses per stage."""
+        result = flow_matching_loss(self.predict(inputs, text), inputs.targets, inputs.column_to_stage)
+        return result.loss, result.per_stage
+
+    def noise_inputs(
         self,
         pyramid: list[torch.Tensor],
         units: Sequence[int] | None,
@@ -374,27 +410,20 @@ class Trainer:
             draw_unused_corruption=draw_unused_corruption,
         )
 
-    def _predict(
-        self,
-        inputs: PyramidBatch,
-        prompt_embeds: torch.Tensor,
-        prompt_attention_mask: torch.Tensor,
-        pooled_prompt_embeds: torch.Tensor,
-        text_lengths: list[int] | None = None,
-    ) -> list[torch.Tensor]:
-        """The DiT on one noised batch under the runtime's autocast (text rows on the device already;
-        ``text_lengths``, their valid tokens known on the host, lets ``skip_future_keys`` drop the padding)."""
+    def predict(self, inputs: PyramidBatch, text: TextRows) -> list[torch.Tensor]:
+        """The DiT on one noised batch under the runtime's autocast (text rows on the device already; their
+        valid tokens, when known on the host, let ``skip_future_keys`` drop the padding)."""
         if self.graphed:
             # a new forward: the blocks' graphs may overwrite what the last one left (nothing reads it now)
             torch.compiler.cudagraph_mark_step_begin()
         with self.runtime.accelerator.autocast():
             return self.model(
                 sample=inputs.sample,
-                encoder_hidden_states=prompt_embeds,
-                encoder_attention_mask=prompt_attention_mask,
-                pooled_projections=pooled_prompt_embeds,
+                encoder_hidden_states=text.prompt_embeds,
+                encoder_attention_mask=text.prompt_attention_mask,
+                pooled_projections=text.pooled_prompt_embeds,
                 timestep_ratio=inputs.timesteps,
-                text_lengths=text_lengths,
+                text_lengths=text.text_lengths,
             )
 
     # ------------------------------------------------------------------------------------------
@@ -404,6 +433,7 @@ class Trainer:
         """runtime → data → model → speed layer → optimizer/LR → EMA, noise, logs."""
         self.setup_runtime()
         self.setup_data()
+        self.resolve_speed()
         model = self.setup_model()
         self.num_parameters = sum(p.numel() for p in model.parameters())  # N of the MFU's 6·N per token
         self.model = self.apply_speed(model)
@@ -429,20 +459,32 @@ class Trainer:
             project_dir=str(self.out),
             log_with=list(cfg.trackers) or None,
         )
-        self.resolve_speed()
         self.logs = RunLogs(self.out, self.cfg, self.runtime)
 
     def resolve_speed(self) -> None:
         """The ``auto`` speed options settled for this device and world size
-        (:func:`pfctl.config.train.resolve_train_speed`): the run's config holds the settled values from here
-        on (and its ``config.yaml`` shows them)."""
+        (:func:`pfctl.config.train.resolve_train_speed`; merged micro-batches where the memory estimate of the
+        merged step fits the GPU): the run's config holds the settled values from here on (and its
+        ``config.yaml`` shows them)."""
         from pfctl.models.fast.compile import compiler_missing
 
-        device = self.runtime.device.type
-        no_compiler = compiler_missing() if device == "cuda" else None
-        speed = resolve_train_speed(self.cfg, device, self.runtime.world_size, no_compiler)
-        settled = {"compile": speed.compile, "cuda_graphs": speed.cuda_graphs, "attention": speed.attention}
-        self.cfg = self.cfg.model_copy(update=settled | {"fsdp": speed.fsdp})
+        cfg, device = self.cfg, self.runtime.device
+        no_compiler = compiler_missing() if device.type == "cuda" else None
+        too_big = None
+        if device.type == "cuda" and cfg.merge_micro_batches == "auto" and cfg.grad_accum > 1:
+            heldout = {c.id for c in self.data.heldout}
+            clips = [c for c in cache_clips(self.data.cache) if c.id not in heldout]
+            peak = estimate_for_run(self.config, self.data.cache, clips, merged=True).total
+            too_big = merge_too_big(peak, torch.cuda.get_device_properties(device).total_memory)
+        speed = resolve_train_speed(cfg, device.type, self.runtime.world_size, no_compiler, too_big)
+        settled = {
+            "compile": speed.compile,
+            "cuda_graphs": speed.cuda_graphs,
+            "attention": speed.attention,
+            "fsdp": speed.fsdp,
+            "merge_micro_batches": bool(speed.merge_micro_batches),
+        }
+        self.cfg = cfg.model_copy(update=settled)
         self.config = self.config.model_copy(update={"train": self.cfg})
         pflog.log("speed: " + speed.describe())
 
@@ -525,7 +567,9 @@ class Trainer:
         noise_seed = int(group_rng(rt.seed, _NOISE, rt.rank).integers(2**62))
         self.noise = torch.Generator(device=rt.device).manual_seed(noise_seed)
         self.peak_flops = peak_flops(rt.device)
-        background = cfg.checkpoint_async is True or (cfg.checkpoint_async == "auto" and rt.device.type == "cuda")
+        background = cfg.checkpoint_async is True or (
+            cfg.checkpoint_async == "auto" and rt.device.type == "cuda"
+        )
         self.saver = (
             ckpt.BackgroundSaver(
                 self.out / "checkpoints", rank=rt.rank, world_size=rt.world_size, is_main=rt.is_main,
@@ -695,48 +739,9 @@ class Trainer:
         self.runtime.barrier()
         return self.out / ("export-official" if self.cfg.export_format == "official" else "export")
 
-    @torch.no_grad()
     def heldout_loss(self) -> dict[str, float]:
-        """Mean loss over the held-out clips with fixed noise (comparable across steps): ``heldout_loss``
-        and per stage ``heldout_loss_stage<k>``.
-
-        Each clip fills all K columns of a batch (so every stage is measured on it) and is
-        noised by a generator seeded from the clip's index — the training RNGs are not touched.
-        """
-        cfg, device = self.cfg, self.runtime.device
-        k = sum(cfg.sample_ratios)
-        self.model.eval()
-        losses, per_stage = [], {stage: [] for stage in self.stages}
-        for i, clip in enumerate(self.data.heldout):
-            entry = self.data.cache.load(clip.id)
-            frames = min(clip.num_latent_frames, cfg.max_units)
-            latent = self.data.loader.normalize(stored_latent(entry)[None, :, :frames].float())
-            gen = torch.Generator(device=device).manual_seed(
-                int(group_rng(self.runtime.seed, 301, i).integers(2**62))
-            )
-            pyramid = pyramid_latents(latent.repeat(k, 1, 1, 1, 1).to(device), num_stages=3)
-            units = None
-            if cfg.use_temporal_pyramid:
-                units = plan_stage_lengths(cfg.max_units, 1).lengths(i, 0, clip_units=frames)
-            inputs = self._noise_inputs(pyramid, units, gen, draw_unused_corruption=True)
-            text = {
-                key: unbatch(entry[key], nd).unsqueeze(0).repeat_interleave(k, 0).to(device)
-                for key, nd in TEXT_KEYS
-            }
-            predictions = self._predict(
-                inputs,
-                text["prompt_embeds"].float(),
-                text["prompt_attention_mask"].long(),
-                text["pooled_prompt_embeds"].float(),
-            )
-            result = flow_matching_loss(predictions, inputs.targets, inputs.column_to_stage)
-            losses.append(float(result.loss))
-            for stage, value in result.per_stage.items():
-                per_stage[stage].append(float(value))
-        self.model.train()
-        return {"heldout_loss": _mean(losses)} | {
-            f"heldout_loss_stage{s}": _mean(v) for s, v in per_stage.items()
-        }
+        """The held-out losses of this step (:func:`pfctl.training.evaluate.heldout_loss`)."""
+        return heldout_loss(self)
 
     def validate(self) -> ValidationSamples | None:
         """Validation samples of this step (:func:`pfctl.training.evaluate.sample_validation`): latents,
@@ -759,33 +764,6 @@ class Trainer:
                 pflog.warn(str(exc))
         if getattr(self, "runtime", None) is not None and self.cfg.trackers:
             self.runtime.accelerator.end_training()
-
-
-def apply_fast_paths(model: torch.nn.Module, config: Any, device: torch.device) -> None:
-    """The model's part of the speed layer (:func:`pfctl.models.fast.apply_fast_paths`): the ``fast:``
-    kernels, activation checkpointing (``train.gradient_checkpointing``), then compiled blocks
-    (``train.compile`` + ``train.cuda_graphs`` as settled by :meth:`Trainer.resolve_speed`: CUDA only).
-    Applied after LoRA, so the compiled graphs include the adapters."""
-    cfg = config.train
-    compiled = cfg.compile is True and device.type == "cuda"
-    if not (config.fast.any_on or cfg.gradient_checkpointing or compiled):
-        return
-    from pfctl.models import fast
-
-    ratio = cfg.gradient_checkpointing_ratio if cfg.gradient_checkpointing else 0.0
-    # column sizes change independently every step
-    graphs = compiled and cfg.cuda_graphs is True
-    paths = fast.FastPaths(
-        config.fast,
-        checkpointing_ratio=ratio,
-        checkpointing_policy=cfg.gradient_checkpointing_policy,
-        compile=compiled,
-        independent_sizes=True,
-        cuda_graphs=graphs,
-    )
-    applied = fast.apply_fast_paths(model, paths)
-    if applied:
-        pflog.log("fast paths: " + ", ".join(applied))
 
 
 def run_training(config: Any) -> TrainReport:

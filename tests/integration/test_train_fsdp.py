@@ -71,10 +71,10 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "diffusion_pytorch_model.safetensors"))
 
 
-def _check_sharded_run(tmp: Path, sharded: Path, plain: Path, fsdp: str, device: str) -> None:
-    """``sharded`` trained like ``plain`` (losses, weights); a resume from its step-2 checkpoint continues
-    like it (on the CPU exactly: the same computation on the same shards); its export is its last
-    checkpoint's weights."""
+def _check_sharded_run(tmp: Path, sharded: Path, plain: Path, fsdp: str, device: str, **train) -> None:
+    """``sharded`` trained like ``plain`` (losses, weights); a resume from its step-2 checkpoint (with the
+    ``train`` settings ``sharded`` ran with) continues like it (on the CPU exactly: the same computation on the
+    same shards); its export is its last checkpoint's weights."""
     cpu = device == "cpu"
     last = sharded / "checkpoints" / f"step-{STEPS:06d}"
     validation = load_file(str(sharded / "validation" / f"step-{STEPS:06d}.safetensors"))["latents"]
@@ -94,7 +94,7 @@ def _check_sharded_run(tmp: Path, sharded: Path, plain: Path, fsdp: str, device:
 
     (tmp / "part" / "checkpoints").mkdir(parents=True)
     os.symlink(sharded / "checkpoints" / "step-000002", tmp / "part" / "checkpoints" / "step-000002")
-    part = _run(tmp, "part", device, fsdp=fsdp, resume="latest")
+    part = _run(tmp, "part", device, fsdp=fsdp, resume="latest", **train)
     resumed = part / "checkpoints" / f"step-{STEPS:06d}"
     if cpu:
         assert _losses(part) == _losses(sharded)[2:]
@@ -131,16 +131,28 @@ def cpu_unsharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _run(tmp, "plain", "cpu", fsdp="none")
 
 
+@pytest.fixture(scope="module")
+def cpu_unsharded_merged(cpu_unsharded: Path) -> Path:
+    """The same unsharded run with each step's micro-batches as one forward (``train.merge_micro_batches``)."""
+    return _run(cpu_unsharded.parent, "plain-merged", "cpu", fsdp="none", merge_micro_batches=True)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("fsdp", "background"), [("shard_grad_op", False), ("full_shard", True)])
+@pytest.mark.parametrize(
+    ("fsdp", "background", "merged"), [("shard_grad_op", False, False), ("full_shard", True, True)]
+)
 def test_fsdp_on_cpu_processes_matches_unsharded_and_resumes(
-    tmp_path: Path, cpu_unsharded: Path, fsdp: str, background: bool
+    tmp_path: Path, request: pytest.FixtureRequest, fsdp: str, background: bool, merged: bool
 ) -> None:
     """``background``: the sharded run writes its checkpoints from a thread per rank (``train.checkpoint_async``),
-    committed by the main process once both ranks have written; the resume from them is still exact."""
-    os.symlink(cpu_unsharded.parent / "cache", tmp_path / "cache")
-    sharded = _run(tmp_path, "sharded", "cpu", fsdp=fsdp, checkpoint_async=background)
-    _check_sharded_run(tmp_path, sharded, cpu_unsharded, fsdp, "cpu")
+    committed by the main process once both ranks have written; the resume from them is still exact.
+    ``merged``: each step's micro-batches go through the DiT as one (``train.merge_micro_batches``), so no
+    backward runs without gradient sync; compared with the unsharded run that merges them too."""
+    plain = request.getfixturevalue("cpu_unsharded_merged" if merged else "cpu_unsharded")
+    os.symlink(plain.parent / "cache", tmp_path / "cache")
+    switches = {"checkpoint_async": background, "merge_micro_batches": merged}
+    sharded = _run(tmp_path, "sharded", "cpu", fsdp=fsdp, **switches)
+    _check_sharded_run(tmp_path, sharded, plain, fsdp, "cpu", merge_micro_batches=merged)
 
 
 @pytest.mark.gpu

@@ -85,12 +85,17 @@ def test_export_records_the_pixel_sizes_it_was_trained_on(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("background", [False, True], ids=["blocking-saves", "background-saves"])
-def test_resume_is_bit_exact(cache: Path, tmp_path: Path, background: bool) -> None:
+@pytest.mark.parametrize(
+    ("background", "merged"),
+    [(False, False), (True, False), (False, True)],
+    ids=["blocking-saves", "background-saves", "merged-micro-batches"],
+)
+def test_resume_is_bit_exact(cache: Path, tmp_path: Path, background: bool, merged: bool) -> None:
     """Also with checkpoints written in the background (``train.checkpoint_async``, the CUDA default): the
-    run's state after the save call does not leak into the checkpoint."""
+    run's state after the save call does not leak into the checkpoint; and with a step's micro-batches in one
+    forward (``train.merge_micro_batches``)."""
     opts = dict(max_steps=6, checkpoint_every=3, grad_accum=2, ema_decay=0.8, ema_every=1, keep_last=None,
-                checkpoint_async=background)  # fmt: skip
+                checkpoint_async=background, merge_micro_batches=merged)  # fmt: skip
     full = api.train(config(cache, tmp_path / "full", **opts))
     part = tmp_path / "part"
     (part / "checkpoints").mkdir(parents=True)
@@ -107,6 +112,40 @@ def test_resume_is_bit_exact(cache: Path, tmp_path: Path, background: bool) -> N
     assert all(torch.equal(opt_a[k], opt_b[k]) for k in opt_a)
     lines = lambda p: (p / "assignments" / "rank-00000.jsonl").read_text().splitlines()  # noqa: E731
     assert lines(part) == lines(tmp_path / "full")[3 * 2 :]
+
+
+def test_merged_micro_batches_train_like_one_forward_each(
+    cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``train.merge_micro_batches``: a step's two micro-batches (clips of other lengths, other unit positions)
+    as one DiT call trains like a forward and backward each: the same clips and units (assignment log), the
+    same losses per step and stage, gradient norms and weights, up to the rounding of another summation
+    order."""
+    from pfctl.training.trainer import Trainer
+
+    calls: list[int] = []  # columns of each DiT call
+    loss = Trainer.loss
+    monkeypatch.setattr(Trainer, "loss", lambda self, inputs, text: calls.append(len(inputs.sample)) or loss(self, inputs, text))
+    for merged in (False, True):
+        out = tmp_path / str(merged)
+        calls.clear()
+        # two samples per column: the merged text rows interleave the micro-batches' rows
+        api.train(config(cache, out, max_steps=3, batch_size=8, grad_accum=2, export=False, merge_micro_batches=merged))
+        assert calls == ([8] * 3 if merged else [4] * 6)
+        assert yaml.safe_load((out / "config.yaml").read_text())["train"]["merge_micro_batches"] is merged
+        assert f"micro-batches {'merged' if merged else 'one by one'}" in capsys.readouterr().out
+    one, merged = (tmp_path / str(m) for m in (False, True))
+    lines = lambda p: (p / "assignments" / "rank-00000.jsonl").read_text().splitlines()  # noqa: E731
+    assert lines(merged) == lines(one)
+    assert len({tuple(json.loads(x)["units"]) for x in lines(one)}) > 1
+    # 3 steps of a forward, a backward and an update (helpers.tolerance)
+    sums = {"reduction": 128, "depth": 3 * 3 * 32}
+    for key in ("loss", "loss_stage0", "loss_stage1", "loss_stage2", "grad_norm"):
+        column = lambda p: [r[key] for r in metrics(p) if key in r]  # noqa: E731, B023
+        assert_rounding_close(column(merged), column(one), **sums, msg=key)
+    a, b = (weights(p / "checkpoints" / "step-000003" / "model") for p in (merged, one))
+    for key, value in b.items():
+        assert_rounding_close(a[key], value, **sums, msg=key)
 
 
 @pytest.mark.slow
@@ -350,9 +389,9 @@ def test_cuda_defaults_and_cuda_graphs_train_like_the_eager_path_with_accumulati
     cache: Path, tmp_path: Path
 ) -> None:
     """Two micro-batches per step on CUDA, bf16 autocast: the defaults (compiled blocks, the memory-efficient
-    attention kernel, no graphs) and compiled blocks as CUDA graphs (cuDNN's kernel), where the first
-    micro-batch's gradients survive the second one's forward (which reuses the graphs' memory): the losses
-    follow the eager path's within the rounding of bf16 autocast."""
+    attention kernel, no graphs, the micro-batches merged into one forward) and compiled blocks as CUDA graphs
+    (cuDNN's kernel), where the first micro-batch's gradients survive the second one's forward (which reuses
+    the graphs' memory): the losses follow the eager path's within the rounding of bf16 autocast."""
     common = {"max_steps": 3, "grad_accum": 2, "export": False}
     runs = {}
     settings = {"eager": {"compile": False}, "default": {}, "graphs": {"cuda_graphs": True}}
@@ -364,6 +403,7 @@ def test_cuda_defaults_and_cuda_graphs_train_like_the_eager_path_with_accumulati
         settled = yaml.safe_load((tmp_path / name / "config.yaml").read_text())["train"]
         assert settled["cuda_graphs"] is (name == "graphs") and settled["compile"] is (name != "eager")
         assert settled["attention"] == ("cudnn" if name == "graphs" else "efficient")
+        assert settled["merge_micro_batches"] is (name == "default")
     # (the defect the graphs' case guards against stopped the second micro-batch's backward with an error);
     # bf16 rounds each product's inputs to 8 bits (2^-8 relative) and the paths fuse differently
     for name in ("default", "graphs"):

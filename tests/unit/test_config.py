@@ -170,6 +170,40 @@ def test_speed_options_settle_per_device_and_world(
     assert ("checkpointing none" in speed.describe()) == (not train.gradient_checkpointing)
 
 
+# (overrides, device, why the merged step does not fit the GPU) -> micro-batches merged (None: one a step):
+# ``auto`` merges where the host sets the pace (compiled blocks without graphs) unless the run checkpoints
+# (memory first) or the merged step does not fit; an explicit setting is kept, on the CPU too
+ACCUM = "train.grad_accum=2"
+MERGE_CASES = [
+    ([ACCUM], "cuda", None, True),
+    ([ACCUM], "cuda", "too big", False),
+    ([ACCUM], "cpu", None, False),
+    ([], "cuda", None, None),
+    ([ACCUM, "train.cuda_graphs=true"], "cuda", None, False),
+    ([ACCUM, "train.compile=false"], "cuda", None, False),
+    ([ACCUM, "train.gradient_checkpointing=true"], "cuda", None, False),
+    ([ACCUM, "train.fsdp=full_shard"], "cuda", None, True),
+    ([ACCUM, "train.merge_micro_batches=true"], "cpu", None, True),
+    ([ACCUM, "train.merge_micro_batches=true"], "cuda", "too big", True),
+    ([ACCUM, "train.merge_micro_batches=false"], "cuda", None, False),
+]
+
+
+@pytest.mark.parametrize(("overrides", "device", "too_big", "expected"), MERGE_CASES)
+def test_micro_batches_merge_where_the_host_sets_the_pace(
+    overrides: list[str], device: str, too_big: str | None, expected: bool | None
+) -> None:
+    from pfctl.config.train import resolve_train_speed
+
+    speed = resolve_train_speed(load_config(None, overrides).train, device, 2, None, too_big)
+    assert speed.merge_micro_batches is expected
+    line = speed.describe()
+    assert ("micro-batches" in line) == (expected is not None)
+    assert ("micro-batches merged" in line) == bool(expected)
+    auto_declined = too_big is not None and "train.merge_micro_batches=true" not in overrides
+    assert (f"micro-batches one by one: {too_big}" in line) == auto_declined
+
+
 def test_speed_line_names_the_checkpointing() -> None:
     from pfctl.config.train import resolve_train_speed
 

@@ -18,6 +18,8 @@ from pfctl.flow.pyramid import (
     flow_target,
     history_layout,
     interpolate,
+    merge_pyramid_batches,
+    merged_row_order,
     pyramid_latents,
     pyramid_noise,
     upsample_nearest2,
@@ -155,6 +157,39 @@ def test_temporal_builder_is_deterministic_and_pure():
     assert a.timesteps.shape == (8,)
     loss = flow_matching_loss([torch.zeros_like(t) for t in a.targets], a.targets, a.column_to_stage)
     assert set(loss.per_stage) == {0, 1, 2} and loss.loss.ndim == 0
+
+
+def test_merged_batches_keep_every_column_and_average_the_losses():
+    """Two micro-batches (other units, other clip sizes) as one DiT input: every column keeps its clips, target
+    and stage; each DiT row (timestep or text, order ``b*K + k``) lands at its column's place; the loss of the
+    merged predictions is the mean of the two losses, and so are the losses per stage."""
+    sch = PyramidFlowScheduler()
+    a = build_temporal_pyramid_batch(_pyramid(0), sch, (3, 3, 4), rng=torch.Generator().manual_seed(1))
+    b = build_temporal_pyramid_batch(_pyramid(1, t=2, size=16), sch, (1, 1, 2), rng=torch.Generator().manual_seed(2))
+    merged = merge_pyramid_batches([a, b])
+    same = lambda xs, ys: len(xs) == len(ys) and all(x is y for x, y in zip(xs, ys, strict=True))  # noqa: E731
+    assert all(same(x, y) for x, y in zip(merged.sample, a.sample + b.sample, strict=True))
+    assert same(merged.targets, a.targets + b.targets) and same(merged.ratios, a.ratios + b.ratios)
+    assert merged.column_to_stage == a.column_to_stage + b.column_to_stage
+    order = merged_row_order([4, 4], per_column=2)
+    assert sorted(order) == list(range(16))
+    assert torch.equal(merged.timesteps, torch.cat([a.timesteps, b.timesteps])[order])
+    # row b*K + k of the merged input is column k's sample b: column 5 is b's column 1
+    assert torch.equal(merged.timesteps[1 * 8 + 5], b.timesteps_per_column[1][1])
+
+    gen = torch.Generator().manual_seed(3)
+    predictions = [torch.randn(t.shape, generator=gen) for t in merged.targets]
+    whole = flow_matching_loss(predictions, merged.targets, merged.column_to_stage)
+    parts = [
+        flow_matching_loss(predictions[:4], a.targets, a.column_to_stage),
+        flow_matching_loss(predictions[4:], b.targets, b.column_to_stage),
+    ]
+    assert_rounding_close(whole.loss, (parts[0].loss + parts[1].loss) / 2, reduction=16)
+    for stage, value in whole.per_stage.items():
+        assert_rounding_close(value, (parts[0].per_stage[stage] + parts[1].per_stage[stage]) / 2, reduction=16)
+    other = build_temporal_pyramid_batch(_pyramid(b=4), sch, (3, 3, 4), rng=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="samples per column"):
+        merge_pyramid_batches([a, other])
 
 
 def test_builders_reject_bad_batch():

@@ -46,3 +46,33 @@ def test_prefetched_batches_are_assembled_off_the_main_thread_and_equal_loaded_o
     feed.ahead.batch.result()  # the last prefetch assembles in the background: wait before counting
     assert threads[0] == threading.current_thread().name
     assert all(name.startswith("pfctl-batch") for name in threads[1:]) and len(threads) == 5
+
+
+def test_merged_text_rows_follow_the_merged_columns() -> None:
+    """The text rows of micro-batches merged into one DiT call (3 columns x 2 samples each): row ``b*6 + k'`` is
+    micro-batch ``k' // 3``'s row ``b*3 + k' % 3`` (:func:`pfctl.flow.pyramid.merged_row_order`), valid lengths
+    alike; a shorter text is right-padded, its padding masked out."""
+    from pfctl.data.dataset import TrainBatch
+    from pfctl.flow.pyramid import merged_row_order
+    from pfctl.training.data import merged_text_rows
+
+    def batch(first: int, width: int) -> TrainBatch:
+        rows = torch.arange(first, first + 6, dtype=torch.float32)
+        return TrainBatch(
+            step=0, ids=[], latents=torch.zeros(6, 1, 1, 1, 1), dropped=[False] * 6, replaced={}, bucket=(1, 1, 1),
+            epoch=0, prompt_embeds=rows[:, None, None].expand(6, width, 2).clone(),
+            prompt_attention_mask=torch.ones(6, width, dtype=torch.long), pooled_prompt_embeds=rows[:, None] * 10,
+            text_lengths=[int(r) % 4 + 1 for r in rows],
+        )  # fmt: skip
+
+    a, b = batch(0, 5), batch(6, 4)
+    merged = merged_text_rows([a, b], columns=3)
+    order = merged_row_order([3, 3], per_column=2)
+    assert order == [0, 1, 2, 6, 7, 8, 3, 4, 5, 9, 10, 11]
+    assert merged.pooled_prompt_embeds[:, 0].tolist() == [10.0 * i for i in order]
+    assert merged.prompt_embeds[:, 0, 0].tolist() == [float(i) for i in order]
+    assert merged.text_lengths == [i % 4 + 1 for i in order]
+    assert merged.prompt_embeds.shape == (12, 5, 2) and merged.prompt_attention_mask.shape == (12, 5)
+    from_b = torch.tensor([i >= 6 for i in order])
+    assert torch.equal(merged.prompt_attention_mask[:, 4] == 0, from_b)  # b's padding column, masked
+    assert not merged.prompt_embeds[from_b, 4].any()

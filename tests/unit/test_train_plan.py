@@ -102,3 +102,35 @@ def test_token_count_sets_are_the_inputs_a_rank_builds(
         )
     shorter = token_count_sets(train, rank, [clip(3), clip(40)])  # clips shorter / longer than M
     assert {b for b, _ in shorter} == {(3, 48, 80), (16, 48, 80)}
+
+
+def test_the_merged_step_is_estimated_with_every_micro_batch_at_once(tmp_path: Path) -> None:
+    """``train.merge_micro_batches``: the memory estimate holds the activations of all ``grad_accum``
+    micro-batches at once (and the gradients arrive during the one backward, as without accumulation); the
+    dry-run's speed line names the GPU size from which ``auto`` merges, from that estimate; ``auto`` merges
+    only on a GPU the estimate fits (:func:`merge_too_big`)."""
+    from helpers.tiny_models import tiny_train_config
+    from pfctl.data.dataset import write_synthetic_cache
+    from pfctl.training.data import cache_clips, open_cache
+    from pfctl.training.memory import format_bytes
+    from pfctl.training.plan import MERGE_MEMORY_SHARE, dry_run, estimate_for_run, merge_too_big
+
+    write_synthetic_cache(str(tmp_path / "cache"), [4] * 8, seed=0)
+    config = tiny_train_config(tmp_path / "cache", tmp_path / "run", grad_accum=3)
+    cache = open_cache(str(tmp_path / "cache"))
+    clips = cache_clips(cache)
+    one, merged = (estimate_for_run(config, cache, clips, merged=m) for m in (False, True))
+
+    def activations(estimate) -> int:
+        return sum(b for name, b, _ in estimate.rows if name.startswith("activations"))
+
+    assert activations(merged) == 3 * activations(one) > 0
+    assert merged.get("backward overlap") < 0 == one.get("backward overlap")
+    assert merged.total > one.total
+    assert any("3 micro-batches merged" in note for note in merged.notes)
+
+    flat = "".join(" ".join(dry_run(config, world_size=1, steps=1).notes).split())
+    size = format_bytes(merged.total / MERGE_MEMORY_SHARE)
+    assert "".join(f"micro-batches merged on a GPU of {size} or more".split()) in flat
+    assert merge_too_big(merged.total, int(merged.total / MERGE_MEMORY_SHARE) + 1) is None
+    assert format_bytes(merged.total) in merge_too_big(merged.total, merged.total)
