@@ -8,6 +8,7 @@ shares them with the run.
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -170,32 +171,42 @@ class _Prefetched:
     thread, or the data error that drawing it raised, and the sampler state before it was drawn (what a
     checkpoint records meanwhile)."""
 
+    micro_step: int
     position: dict[str, Any]
     batch: Future[TrainBatch] | None = None
     error: CacheError | None = None
 
 
 class BatchFeed:
-    """Micro-batches on the training device, the next one loaded ahead while the GPU works."""
+    """Micro-batches on the training device, the next ones loaded ahead while the GPU works."""
 
     def __init__(self, data: TrainData, device: torch.device, *, skip_future_keys: bool) -> None:
         self.data, self.device, self.skip_future_keys = data, device, skip_future_keys
-        self.ahead: _Prefetched | None = None  # the batch of the next micro-step, loaded ahead
+        self.ahead: deque[_Prefetched] = deque()  # the batches of the next micro-steps, loaded ahead, in order
         self._thread: ThreadPoolExecutor | None = None  # assembles prefetched batches
 
     def next_batch(self, micro_step: int) -> TrainBatch:
         """The batch of ``micro_step`` on the device: the prefetched one, else loaded now."""
-        ahead, self.ahead = self.ahead, None
-        if ahead is None:
+        if not self.ahead:
             return self.to_device(self.data.loader.next_batch(micro_step))
+        ahead = self.ahead.popleft()
+        if ahead.micro_step != micro_step:
+            raise RuntimeError(f"the batch of micro-step {micro_step} was asked for, {ahead.micro_step} is next")
         if ahead.error is not None:
             raise ahead.error
         return self.to_device(ahead.batch.result())  # a CacheError of the assembly is raised here
 
+    def prefetch_through(self, micro_step: int, through: int) -> None:
+        """Prefetch (:meth:`prefetch`) the batches after ``micro_step`` (the one just taken) up to ``through``
+        that are not loaded ahead yet."""
+        first = self.ahead[-1].micro_step + 1 if self.ahead else micro_step + 1
+        for step in range(first, through + 1):
+            self.prefetch(step)
+
     def prefetch(self, micro_step: int) -> None:
         """Draw the batch of ``micro_step`` now and assemble it on the feed's thread.
 
-        Called before a micro-step is launched, for the next one. The draw (the sampler, the cache reads,
+        Called before a micro-step is launched, for a later one. The draw (the sampler, the cache reads,
         the sync group's agreement on failed reads) runs on the main thread, in the same order on every
         rank, because the loader may all-reduce load failures over the group. The assembly (posterior samples, normalisation,
         text stacking, pinning: tensor work that releases the GIL) runs on one thread of its own while the
@@ -209,15 +220,16 @@ class BatchFeed:
         try:
             assemble = self.data.loader.draw(micro_step)
         except CacheError as exc:
-            self.ahead = _Prefetched(position, error=exc)
+            self.ahead.append(_Prefetched(micro_step, position, error=exc))
             return
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pfctl-batch")
-        self.ahead = _Prefetched(position, batch=self._thread.submit(lambda: self.pinned(assemble())))
+        batch = self._thread.submit(lambda: self.pinned(assemble()))
+        self.ahead.append(_Prefetched(micro_step, position, batch=batch))
 
     def position(self) -> dict[str, Any]:
-        """The sampler state a checkpoint records: before the prefetched batch, if one is waiting."""
-        return self.ahead.position if self.ahead is not None else self.data.sampler.state_dict()
+        """The sampler state a checkpoint records: before the first prefetched batch, if one is waiting."""
+        return self.ahead[0].position if self.ahead else self.data.sampler.state_dict()
 
     def pinned(self, batch: TrainBatch) -> TrainBatch:
         """The batch with its tensors in pinned host memory when the device is a GPU (else as it is)."""

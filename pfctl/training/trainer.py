@@ -262,7 +262,7 @@ class Trainer:
         for micro in range(cfg.grad_accum):
             tic = time.perf_counter()
             last = micro == cfg.grad_accum - 1
-            batch = self.next_micro_batch(last)
+            batch = self.next_micro_batch(merged)
             step_ids.extend(batch.ids)
             inputs, record = self.noised(batch)
             self.micro_step += 1
@@ -286,13 +286,14 @@ class Trainer:
             local_bad |= self.tally(stats, loss, per_stage, 1)
         return stats, local_bad, step_ids
 
-    def next_micro_batch(self, last: bool) -> TrainBatch:
-        """The batch of this micro-step on the device; the next one drawn and handed to the feed's thread
-        (none after the run's last step)."""
-        tic = time.perf_counter()
+    def next_micro_batch(self, merged: bool) -> TrainBatch:
+        """The batch of this micro-step on the device. The batches to come are drawn and handed to the feed's
+        thread, to be assembled while this step is launched: the next micro-step's, or with merged micro-batches
+        (which all wait for the one forward) every micro-step's of the next step; none beyond the run."""
+        tic, accum = time.perf_counter(), self.cfg.grad_accum
         batch = self.feed.next_batch(self.micro_step)
-        if not (last and self.step + 1 >= self.cfg.max_steps):  # no batch after the run's last step
-            self.feed.prefetch(self.micro_step + 1)  # assembled while this micro-step is launched
+        through = (self.micro_step // accum + 2) * accum - 1 if merged else self.micro_step + 1
+        self.feed.prefetch_through(self.micro_step, min(through, self.cfg.max_steps * accum - 1))
         self.data_seconds += time.perf_counter() - tic
         if faults.poisoned("train_nan", rank=self.runtime.rank, step=self.step + 1):  # test hook
             batch.latents = torch.full_like(batch.latents, float("nan"))

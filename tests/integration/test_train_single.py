@@ -120,18 +120,27 @@ def test_merged_micro_batches_train_like_one_forward_each(
     """``train.merge_micro_batches``: a step's two micro-batches (clips of other lengths, other unit positions)
     as one DiT call trains like a forward and backward each: the same clips and units (assignment log), the
     same losses per step and stage, gradient norms and weights, up to the rounding of another summation
-    order."""
+    order. Both of a merged step's batches were loaded ahead during the step before (both wait for its one
+    forward); one by one, the next micro-step's."""
+    from pfctl.training.data import BatchFeed
     from pfctl.training.trainer import Trainer
 
     calls: list[int] = []  # columns of each DiT call
     loss = Trainer.loss
     monkeypatch.setattr(Trainer, "loss", lambda self, inputs, text: calls.append(len(inputs.sample)) or loss(self, inputs, text))
+    waiting: list[list[int]] = []  # the micro-steps loaded ahead when each batch is taken
+    next_batch = BatchFeed.next_batch
+    monkeypatch.setattr(BatchFeed, "next_batch", lambda self, m: waiting.append([a.micro_step for a in self.ahead]) or next_batch(self, m))
     for merged in (False, True):
         out = tmp_path / str(merged)
         calls.clear()
+        waiting.clear()
         # two samples per column: the merged text rows interleave the micro-batches' rows
         api.train(config(cache, out, max_steps=3, batch_size=8, grad_accum=2, export=False, merge_micro_batches=merged))
         assert calls == ([8] * 3 if merged else [4] * 6)
+        # merged: from the second step on, both its batches wait when it starts
+        ahead = [[1, 2, 3], [2, 3], [3, 4, 5], [4, 5], [5]] if merged else [[1], [2], [3], [4], [5]]
+        assert waiting == [[], *ahead]
         assert yaml.safe_load((out / "config.yaml").read_text())["train"]["merge_micro_batches"] is merged
         assert f"micro-batches {'merged' if merged else 'one by one'}" in capsys.readouterr().out
     one, merged = (tmp_path / str(m) for m in (False, True))

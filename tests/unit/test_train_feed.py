@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from pfctl.data.dataset import LatentClipLoader, SyncGroupSampler, write_synthetic_cache
@@ -21,7 +22,11 @@ def _data(root: Path) -> TrainData:
     return TrainData(cache=cache, heldout=[], sampler=sampler, loader=loader)
 
 
-def test_prefetched_batches_are_assembled_off_the_main_thread_and_equal_loaded_ones(tmp_path: Path) -> None:
+@pytest.mark.parametrize("depth", [1, 3])
+def test_prefetched_batches_are_assembled_off_the_main_thread_and_equal_loaded_ones(tmp_path: Path, depth: int) -> None:
+    """``depth`` micro-steps loaded ahead (1: the next one; 3: as merged micro-batches do, every micro-step of the
+    next step): each batch equals the one the loader builds in one call, in order, and a checkpoint taken
+    meanwhile records the data position before the first batch still waiting."""
     write_synthetic_cache(str(tmp_path), [4, 4, 3, 3, 4, 3], seed=0)  # posterior mean + std: sampled noise
     direct, fed = _data(tmp_path), _data(tmp_path)
     feed = BatchFeed(fed, torch.device("cpu"), skip_future_keys=True)
@@ -36,16 +41,19 @@ def test_prefetched_batches_are_assembled_off_the_main_thread_and_equal_loaded_o
     for step in range(4):
         expected = direct.loader.next_batch(step)
         got = feed.next_batch(step)  # step 0: nothing prefetched yet, loaded at once on this thread
-        before_draw = fed.sampler.state_dict()
-        feed.prefetch(step + 1)
-        assert feed.position() == before_draw  # a checkpoint now resumes at the prefetched batch
+        feed.prefetch_through(step, step + depth)
+        assert [a.micro_step for a in feed.ahead] == list(range(step + 1, step + depth + 1))
+        assert feed.position() == direct.sampler.state_dict()  # a resumed run draws step + 1 next
         assert got.ids == expected.ids and got.dropped == expected.dropped
         for name in ("latents", "prompt_embeds", "prompt_attention_mask", "pooled_prompt_embeds"):
             assert torch.equal(getattr(got, name), getattr(expected, name)), (step, name)
         assert got.text_lengths is not None
-    feed.ahead.batch.result()  # the last prefetch assembles in the background: wait before counting
+    for ahead in feed.ahead:  # the last prefetches assemble in the background: wait before counting
+        ahead.batch.result()
     assert threads[0] == threading.current_thread().name
-    assert all(name.startswith("pfctl-batch") for name in threads[1:]) and len(threads) == 5
+    assert all(name.startswith("pfctl-batch") for name in threads[1:]) and len(threads) == 4 + depth
+    with pytest.raises(RuntimeError, match="micro-step 6 was asked for, 4 is next"):
+        feed.next_batch(6)
 
 
 def test_merged_text_rows_follow_the_merged_columns() -> None:
