@@ -289,13 +289,13 @@ def merged_text_rows(batches: list[TrainBatch], columns: int) -> TextRows:
     if all(b.text_lengths is not None for b in batches):
         flat = [n for b in batches for n in b.text_lengths]
         lengths = [flat[i] for i in merged_row_order([columns] * len(batches), per_column)]
+    def padded(t: torch.Tensor) -> torch.Tensor:  # [rows, L, ...] -> [rows, width, ...]
+        short = width - t.shape[1]
+        return t if short == 0 else F.pad(t, (0, 0) * (t.ndim - 2) + (0, short))
+
     return TextRows(
-        prompt_embeds=rows(
-            [F.pad(b.prompt_embeds, (0, 0, 0, width - b.prompt_embeds.shape[1])) for b in batches]
-        ),
-        prompt_attention_mask=rows(
-            [F.pad(b.prompt_attention_mask, (0, width - b.prompt_attention_mask.shape[1])) for b in batches]
-        ),
+        prompt_embeds=rows([padded(b.prompt_embeds) for b in batches]),
+        prompt_attention_mask=rows([padded(b.prompt_attention_mask) for b in batches]),
         pooled_prompt_embeds=rows([b.pooled_prompt_embeds for b in batches]),
         text_lengths=lengths,
     )
