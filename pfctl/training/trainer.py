@@ -473,10 +473,7 @@ class Trainer:
         no_compiler = compiler_missing() if device.type == "cuda" else None
         too_big = None
         if device.type == "cuda" and cfg.merge_micro_batches == "auto" and cfg.grad_accum > 1:
-            heldout = {c.id for c in self.data.heldout}
-            clips = [c for c in cache_clips(self.data.cache) if c.id not in heldout]
-            peak = estimate_for_run(self.config, self.data.cache, clips, merged=True).total
-            too_big = merge_too_big(peak, torch.cuda.get_device_properties(device).total_memory)
+            too_big = self.merged_step_too_big()
         speed = resolve_train_speed(cfg, device.type, self.runtime.world_size, no_compiler, too_big)
         settled = {
             "compile": speed.compile,
@@ -488,6 +485,20 @@ class Trainer:
         self.cfg = cfg.model_copy(update=settled)
         self.config = self.config.model_copy(update={"train": self.cfg})
         pflog.log("speed: " + speed.describe())
+
+    def merged_step_too_big(self) -> str | None:
+        """Why this GPU cannot hold a step with merged micro-batches (its memory estimate over 90% of the GPU),
+        or another rank's cannot: every rank decides alike, as their collectives per forward must match."""
+        heldout = {c.id for c in self.data.heldout}
+        clips = [c for c in cache_clips(self.data.cache) if c.id not in heldout]
+        peak = estimate_for_run(self.config, self.data.cache, clips, merged=True).total
+        device = self.runtime.device
+        too_big = merge_too_big(peak, torch.cuda.get_device_properties(device).total_memory)
+        if self.runtime.world_size > 1:
+            flag = torch.tensor([int(too_big is not None)], device=device)
+            if int(self.runtime.accelerator.reduce(flag, reduction="sum")) and too_big is None:
+                too_big = "another rank's GPU cannot hold the merged step"
+        return too_big
 
     def setup_data(self) -> None:
         """The cache (format + fingerprint checked), the group's sampler and loader, the batch feed."""

@@ -134,3 +134,31 @@ def test_the_merged_step_is_estimated_with_every_micro_batch_at_once(tmp_path: P
     assert "".join(f"micro-batches merged on a GPU of {size} or more".split()) in flat
     assert merge_too_big(merged.total, int(merged.total / MERGE_MEMORY_SHARE) + 1) is None
     assert format_bytes(merged.total) in merge_too_big(merged.total, merged.total)
+
+
+def test_every_rank_merges_its_micro_batches_alike(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` merges where the GPU holds the merged step's estimate, and only if every rank's does (the ranks'
+    collectives per forward must match): a rank whose GPU fits follows another that does not."""
+    from types import SimpleNamespace
+
+    from helpers.tiny_models import tiny_train_config
+    from pfctl.data.dataset import write_synthetic_cache
+    from pfctl.training.data import cache_clips, open_cache
+    from pfctl.training.plan import estimate_for_run
+    from pfctl.training.trainer import Trainer
+
+    write_synthetic_cache(str(tmp_path / "cache"), [4] * 8, seed=0)
+    config = tiny_train_config(tmp_path / "cache", tmp_path / "run", grad_accum=2)
+    cache = open_cache(str(tmp_path / "cache"))
+    peak = estimate_for_run(config, cache, cache_clips(cache), merged=True).total
+
+    def too_big(gpu_bytes: int, other_ranks_failing: int) -> str | None:
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(total_memory=gpu_bytes))
+        accelerator = SimpleNamespace(reduce=lambda flag, reduction: flag + other_ranks_failing)
+        runtime = SimpleNamespace(device=torch.device("cpu"), world_size=2, accelerator=accelerator)
+        trainer = SimpleNamespace(data=SimpleNamespace(heldout=[], cache=cache), config=config, runtime=runtime)
+        return Trainer.merged_step_too_big(trainer)
+
+    assert too_big(2 * peak, 0) is None
+    assert too_big(2 * peak, 1) == "another rank's GPU cannot hold the merged step"
+    assert "exceeds 90% of the GPU's" in too_big(peak, 0)
