@@ -1,5 +1,6 @@
-"""Validation samples during training: a few clips' cached captions sampled with fixed noise, decoded
-with the cache's VAE into mp4s and one contact sheet per step (a picture of what the model makes)."""
+"""What a run measures on the side: the held-out loss (:func:`heldout_loss`), and validation samples (a few
+clips' cached captions sampled with fixed noise, decoded with the cache's VAE into mp4s and one contact sheet
+per step: a picture of what the model makes)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pfctl.data.dataset import unbatch
+from pfctl.data.dataset import group_rng, stored_latent, unbatch
+from pfctl.flow.pyramid import plan_stage_lengths, pyramid_latents
 from pfctl.runtime import logging as pflog
 from pfctl.training.data import TEXT_KEYS, TextRows, TrainData
 
@@ -138,15 +140,11 @@ def _mean(values: list[float]) -> float:
 def heldout_loss(trainer: Any) -> dict[str, float]:
     """Mean loss over the held-out clips with fixed noise (comparable across steps): ``heldout_loss`` and per
     stage ``heldout_loss_stage<k>``, of ``trainer`` (:class:`pfctl.training.trainer.Trainer`: its model,
-    data, and the noising and DiT call it trains with).
+    data, and the noising and loss it trains with).
 
     Each clip fills all K columns of a batch (so every stage is measured on it) and is noised by a generator
     seeded from the clip's index — the training RNGs are not touched.
     """
-    from pfctl.data.dataset import group_rng, stored_latent
-    from pfctl.flow.loss import flow_matching_loss
-    from pfctl.flow.pyramid import plan_stage_lengths, pyramid_latents
-
     cfg, device, data = trainer.cfg, trainer.runtime.device, trainer.data
     k = sum(cfg.sample_ratios)
     trainer.model.eval()
@@ -173,10 +171,9 @@ def heldout_loss(trainer: Any) -> dict[str, float]:
             text["pooled_prompt_embeds"].float(),
             text_lengths=None,
         )
-        predictions = trainer.predict(inputs, rows)
-        result = flow_matching_loss(predictions, inputs.targets, inputs.column_to_stage)
-        losses.append(float(result.loss))
-        for stage, value in result.per_stage.items():
+        loss, stage_losses = trainer.loss(inputs, rows)
+        losses.append(float(loss))
+        for stage, value in stage_losses.items():
             per_stage[stage].append(float(value))
     trainer.model.train()
     return {"heldout_loss": _mean(losses)} | {

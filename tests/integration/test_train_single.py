@@ -114,6 +114,7 @@ def test_resume_is_bit_exact(cache: Path, tmp_path: Path, background: bool, merg
     assert lines(part) == lines(tmp_path / "full")[3 * 2 :]
 
 
+@pytest.mark.slow
 def test_merged_micro_batches_train_like_one_forward_each(
     cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
