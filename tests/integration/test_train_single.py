@@ -302,24 +302,31 @@ def test_a_step_waits_for_the_device_once(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("merged", [False, True], ids=["one-micro-batch", "merged-micro-batches"])
 def test_a_data_error_fails_the_step_that_uses_the_batch(
-    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, merged: bool
 ) -> None:
-    """Every clip load after the 8th fails, so the batch of step 3 cannot be built. It is loaded ahead,
-    during step 2, yet step 2 still completes and checkpoints the data position before that batch: a
-    resume (loads working again) trains step 3 exactly as an uninterrupted run."""
+    """Every clip load after the 8th fails, so the batch of the third micro-step cannot be built. It is loaded
+    ahead, during the step before, yet that step still completes and checkpoints the data position before that
+    batch: a resume (loads working again) trains the failed step exactly as an uninterrupted run. Merged: two
+    micro-batches a step, both of the second step loaded ahead during the first."""
     from pfctl.errors import CacheError
+    from pfctl.runtime import faults
 
+    monkeypatch.setattr(faults, "_CACHE", {})  # the fault's count of loads starts at 0 in this test
     opts = dict(max_steps=3, checkpoint_every=1, export=False)
+    if merged:
+        opts |= dict(grad_accum=2, merge_micro_batches=True)
+    done = 1 if merged else 2  # the steps before the one whose batch fails
     full = api.train(config(cache, tmp_path / "full", **opts))
     monkeypatch.setenv("PFCTL_FAULT", "cache_load:after=8")  # 2 batches of 4 clips load
     with pytest.raises(CacheError, match="replacement clips in a row failed"):
         api.train(config(cache, tmp_path / "broken", **opts))
-    assert [r["step"] for r in metrics(tmp_path / "broken")] == [1, 2]
+    assert [r["step"] for r in metrics(tmp_path / "broken")] == list(range(1, done + 1))
     monkeypatch.delenv("PFCTL_FAULT")
     resumed = api.train(config(cache, tmp_path / "broken", resume="latest", **opts))
-    assert resumed.resumed_from and resumed.resumed_from.endswith("step-000002")
-    assert resumed.losses == full.losses[2:]
+    assert resumed.resumed_from and resumed.resumed_from.endswith(f"step-{done:06d}")
+    assert resumed.losses == full.losses[done:]
 
 
 def test_skip_future_keys_trains_like_one_call_attention(
