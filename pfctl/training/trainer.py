@@ -184,9 +184,10 @@ class Trainer:
 
         The step reads device values on the host once, for the skip decision (all-reduced loss and grad
         norm, in one transfer): every read waits for all queued GPU work, so the other numbers stay on
-        the device until then. Before each micro-step is launched, the next micro-step's batch is drawn
-        and handed to the feed's thread to assemble (:meth:`BatchFeed.prefetch`), so the host's tensor work
-        on the data runs while the main thread launches the forward and backward.
+        the device until then. Before each micro-step is launched, the batches to come (the next
+        micro-step's; with merged micro-batches the next step's) are drawn and handed to the feed's thread to
+        assemble (:meth:`next_micro_batch`), so the host's tensor work on the data runs while the main thread
+        launches the forward and backward.
         """
         cfg, acc, world = self.cfg, self.runtime.accelerator, self.runtime.world_size
         tic = time.perf_counter()
