@@ -191,7 +191,8 @@ class BatchFeed:
             return self.to_device(self.data.loader.next_batch(micro_step))
         ahead = self.ahead.popleft()
         if ahead.micro_step != micro_step:
-            raise RuntimeError(f"the batch of micro-step {micro_step} was asked for, {ahead.micro_step} is next")
+            asked = f"the batch of micro-step {micro_step} was asked for"
+            raise RuntimeError(f"{asked}, {ahead.micro_step} is next")
         if ahead.error is not None:
             raise ahead.error
         return self.to_device(ahead.batch.result())  # a CacheError of the assembly is raised here
@@ -272,7 +273,8 @@ class TextRows:
     @classmethod
     def of(cls, batch: TrainBatch) -> TextRows:
         """The rows of one micro-batch, as they are."""
-        return cls(batch.prompt_embeds, batch.prompt_attention_mask, batch.pooled_prompt_embeds, batch.text_lengths)
+        text = (batch.prompt_embeds, batch.prompt_attention_mask, batch.pooled_prompt_embeds)
+        return cls(*text, batch.text_lengths)
 
 
 def merged_text_rows(batches: list[TrainBatch], columns: int) -> TextRows:

@@ -6,6 +6,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -127,17 +128,26 @@ def test_merged_micro_batches_train_like_one_forward_each(
     from pfctl.training.trainer import Trainer
 
     calls: list[int] = []  # columns of each DiT call
-    loss = Trainer.loss
-    monkeypatch.setattr(Trainer, "loss", lambda self, inputs, text: calls.append(len(inputs.sample)) or loss(self, inputs, text))
     waiting: list[list[int]] = []  # the micro-steps loaded ahead when each batch is taken
-    next_batch = BatchFeed.next_batch
-    monkeypatch.setattr(BatchFeed, "next_batch", lambda self, m: waiting.append([a.micro_step for a in self.ahead]) or next_batch(self, m))
+    loss, next_batch = Trainer.loss, BatchFeed.next_batch
+
+    def counted_loss(self: Trainer, inputs: Any, text: Any) -> Any:
+        calls.append(len(inputs.sample))
+        return loss(self, inputs, text)
+
+    def watched_next_batch(self: BatchFeed, micro_step: int) -> Any:
+        waiting.append([a.micro_step for a in self.ahead])
+        return next_batch(self, micro_step)
+
+    monkeypatch.setattr(Trainer, "loss", counted_loss)
+    monkeypatch.setattr(BatchFeed, "next_batch", watched_next_batch)
     for merged in (False, True):
         out = tmp_path / str(merged)
         calls.clear()
         waiting.clear()
         # two samples per column: the merged text rows interleave the micro-batches' rows
-        api.train(config(cache, out, max_steps=3, batch_size=8, grad_accum=2, export=False, merge_micro_batches=merged))
+        opts = dict(max_steps=3, batch_size=8, grad_accum=2, export=False, merge_micro_batches=merged)
+        api.train(config(cache, out, **opts))
         assert calls == ([8] * 3 if merged else [4] * 6)
         # merged: from the second step on, both its batches wait when it starts
         ahead = [[1, 2, 3], [2, 3], [3, 4, 5], [4, 5], [5]] if merged else [[1], [2], [3], [4], [5]]

@@ -165,7 +165,8 @@ def test_merged_batches_keep_every_column_and_average_the_losses():
     merged predictions is the mean of the two losses, and so are the losses per stage."""
     sch = PyramidFlowScheduler()
     a = build_temporal_pyramid_batch(_pyramid(0), sch, (3, 3, 4), rng=torch.Generator().manual_seed(1))
-    b = build_temporal_pyramid_batch(_pyramid(1, t=2, size=16), sch, (1, 1, 2), rng=torch.Generator().manual_seed(2))
+    other = _pyramid(1, t=2, size=16)
+    b = build_temporal_pyramid_batch(other, sch, (1, 1, 2), rng=torch.Generator().manual_seed(2))
     merged = merge_pyramid_batches([a, b])
     same = lambda xs, ys: len(xs) == len(ys) and all(x is y for x, y in zip(xs, ys, strict=True))  # noqa: E731
     assert all(same(x, y) for x, y in zip(merged.sample, a.sample + b.sample, strict=True))

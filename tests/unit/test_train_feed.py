@@ -23,7 +23,9 @@ def _data(root: Path) -> TrainData:
 
 
 @pytest.mark.parametrize("depth", [1, 3])
-def test_prefetched_batches_are_assembled_off_the_main_thread_and_equal_loaded_ones(tmp_path: Path, depth: int) -> None:
+def test_prefetched_batches_are_assembled_off_the_main_thread_and_equal_loaded_ones(
+    tmp_path: Path, depth: int
+) -> None:
     """``depth`` micro-steps loaded ahead (1: the next one; 3: as merged micro-batches do, every micro-step of the
     next step): each batch equals the one the loader builds in one call, in order, and a checkpoint taken
     meanwhile records the data position before the first batch still waiting."""
