@@ -113,6 +113,35 @@ def test_text_padding_is_masked(kind: str) -> None:
         assert_rounding_close(b, a, **SUMS)
 
 
+@pytest.mark.parametrize("kind", MODELS)
+def test_columns_of_two_batches_side_by_side_predict_as_apart(kind: str) -> None:
+    """What merged micro-batches rely on (``train.merge_micro_batches``): one call holding the columns of two
+    batches, of other clip sizes and histories, with their text and timestep rows in the merged order
+    (``b*K + k``), predicts every column as the batch's own call does."""
+    from pfctl.flow.pyramid import merged_row_order
+
+    gen = torch.Generator().manual_seed(4)
+    first = inputs(seed=1)  # 2 columns of 2 samples, 4 x 4 latents
+    second = clone_args(first)
+    second["sample"] = [
+        [torch.randn(2, LATENT_C, t, h, w, generator=gen) for t, h, w in col]
+        for col in ([(2, 4, 8)], [(1, 2, 4), (1, 4, 8), (1, 4, 8)])
+    ]
+    for key in ("encoder_hidden_states", "pooled_projections"):
+        second[key] = torch.randn(second[key].shape, generator=gen)
+    second["encoder_attention_mask"] = second["encoder_attention_mask"].flip(0)
+    second["timestep_ratio"] = torch.tensor([600.0, 30.0, 900.0, 120.0])
+    order = merged_row_order([2, 2], per_column=2)
+    merged = {key: torch.cat([first[key], second[key]])[order] for key in first if key != "sample"}
+    merged["sample"] = first["sample"] + second["sample"]
+    model = build(kind)
+    apart = run(model, first) + run(model, second)
+    together = run(model, merged)
+    assert len(together) == 4
+    for a, b in zip(together, apart, strict=True):
+        assert_rounding_close(a, b, **SUMS)
+
+
 def test_mmdit_use_t5_mask_off_really_attends_padding() -> None:
     model = build("mmdit", use_t5_mask=False)
     args = inputs()
