@@ -287,14 +287,14 @@ def merged_text_rows(batches: list[TrainBatch], columns: int) -> TextRows:
     def rows(tensors: list[torch.Tensor]) -> torch.Tensor:  # (no index tensor: no copy to the device)
         return torch.cat([t.unflatten(0, (per_column, columns)) for t in tensors], dim=1).flatten(0, 1)
 
-    lengths = None
-    if all(b.text_lengths is not None for b in batches):
-        flat = [n for b in batches for n in b.text_lengths]
-        lengths = [flat[i] for i in merged_row_order([columns] * len(batches), per_column)]
     def padded(t: torch.Tensor) -> torch.Tensor:  # [rows, L, ...] -> [rows, width, ...]
         short = width - t.shape[1]
         return t if short == 0 else F.pad(t, (0, 0) * (t.ndim - 2) + (0, short))
 
+    lengths = None
+    if all(b.text_lengths is not None for b in batches):
+        flat = [n for b in batches for n in b.text_lengths]
+        lengths = [flat[i] for i in merged_row_order([columns] * len(batches), per_column)]
     return TextRows(
         prompt_embeds=rows([padded(b.prompt_embeds) for b in batches]),
         prompt_attention_mask=rows([padded(b.prompt_attention_mask) for b in batches]),

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from pfctl.config.train import TrainConfig, check_train_constraints, columns_to_stages, resolve_train_speed
-from pfctl.data.dataset import LatentClipLoader, TrainBatch, group_rng
+from pfctl.data.dataset import ClipInfo, LatentClipLoader, TrainBatch, group_rng
 from pfctl.errors import CheckFailed, CheckpointError
 from pfctl.flow.loss import flow_matching_loss
 from pfctl.flow.pyramid import (
@@ -258,7 +258,7 @@ class Trainer:
         stats = torch.zeros(len(self.stages) + 3, dtype=torch.float64, device=device)
         local_bad = torch.zeros((), dtype=torch.bool, device=device)
         step_ids = []  # for the message when the loss is not finite
-        merged = cfg.merge_micro_batches is True and cfg.grad_accum > 1
+        merged = cfg.merge_micro_batches is True  # (settled: false with one micro-batch a step)
         drawn: list[tuple[TrainBatch, PyramidBatch]] = []
         for micro in range(cfg.grad_accum):
             tic = time.perf_counter()
@@ -490,9 +490,7 @@ class Trainer:
     def merged_step_too_big(self) -> str | None:
         """Why this GPU cannot hold a step with merged micro-batches (its memory estimate over 90% of the GPU),
         or another rank's cannot: every rank decides alike, as their collectives per forward must match."""
-        heldout = {c.id for c in self.data.heldout}
-        clips = [c for c in cache_clips(self.data.cache) if c.id not in heldout]
-        peak = estimate_for_run(self.config, self.data.cache, clips, merged=True).total
+        peak = estimate_for_run(self.config, self.data.cache, self.training_clips(), merged=True).total
         device = self.runtime.device
         too_big = merge_too_big(peak, torch.cuda.get_device_properties(device).total_memory)
         if self.runtime.world_size > 1:
@@ -509,6 +507,11 @@ class Trainer:
             agree=group_agreement(rt.sync, rt.device),
         )  # fmt: skip
         self.feed = BatchFeed(self.data, rt.device, skip_future_keys=self.cfg.skip_future_keys)
+
+    def training_clips(self) -> list[ClipInfo]:
+        """The cache's clips this run trains on (the held-out ones left out)."""
+        heldout = {c.id for c in self.data.heldout}
+        return [c for c in cache_clips(self.data.cache) if c.id not in heldout]
 
     @property
     def loader(self) -> LatentClipLoader:
@@ -580,9 +583,7 @@ class Trainer:
         noise_seed = int(group_rng(rt.seed, _NOISE, rt.rank).integers(2**62))
         self.noise = torch.Generator(device=rt.device).manual_seed(noise_seed)
         self.peak_flops = peak_flops(rt.device)
-        background = cfg.checkpoint_async is True or (
-            cfg.checkpoint_async == "auto" and rt.device.type == "cuda"
-        )
+        background = cfg.checkpoint_async is True or (cfg.checkpoint_async == "auto" and rt.device.type == "cuda")
         self.saver = (
             ckpt.BackgroundSaver(
                 self.out / "checkpoints", rank=rt.rank, world_size=rt.world_size, is_main=rt.is_main,
@@ -604,9 +605,7 @@ class Trainer:
         compiler's artifacts of an earlier run on this output directory loaded (``train.compile_cache``)."""
         if self.cfg.compile is not True:  # (settled: CUDA only)
             return
-        heldout = {c.id for c in self.data.heldout}
-        clips = [c for c in cache_clips(self.data.cache) if c.id not in heldout]
-        expected = token_count_sets(self.cfg, self.runtime.rank, clips)
+        expected = token_count_sets(self.cfg, self.runtime.rank, self.training_clips())
         rt = self.runtime
         cache = CompileCacheSite(self.out, rt.device, writes=rt.is_main) if self.cfg.compile_cache else None
         recordings = None

@@ -156,7 +156,8 @@ def test_every_rank_merges_its_micro_batches_alike(tmp_path: Path, monkeypatch: 
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(total_memory=gpu_bytes))
         accelerator = SimpleNamespace(reduce=lambda flag, reduction: flag + other_ranks_failing)
         runtime = SimpleNamespace(device=torch.device("cpu"), world_size=2, accelerator=accelerator)
-        trainer = SimpleNamespace(data=SimpleNamespace(heldout=[], cache=cache), config=config, runtime=runtime)
+        data = SimpleNamespace(heldout=[], cache=cache)
+        trainer = SimpleNamespace(data=data, config=config, runtime=runtime, training_clips=lambda: cache_clips(cache))
         return Trainer.merged_step_too_big(trainer)
 
     assert too_big(2 * peak, 0) is None
