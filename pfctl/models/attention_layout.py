@@ -9,9 +9,11 @@ causality (a query at frame ``f`` sees keys at frames ``<= f``; text counts as f
 Everything that depends only on shapes (token counts, RoPE tables, masks, row groups) is computed once per
 forward in a :class:`PyramidLayout` and handed to every block, so no block rebuilds them. Attention is SDPA
 with an additive mask; :data:`ATTENTION_BACKENDS` say which fused SDPA kernel runs it
-(:func:`attention_kernels`). Under temporal causality the queries may be attended in row groups
-(:func:`causal_row_groups`) that skip the keys causality hides from the whole group: the same result, less
-work. The last block computes only the rows of each column's last clip (:func:`column_tails`).
+(:func:`attention_kernels`), one call per column; the ``flex`` backend attends all columns in one
+FlexAttention call instead (:mod:`pfctl.models.packed_attention`). Under temporal causality the queries may be
+attended in row groups (:func:`causal_row_groups`) that skip the keys causality hides from the whole group:
+the same result, less work. The last block computes only the rows of each column's last clip
+(:func:`column_tails`).
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ import torch
 import torch.nn.functional as F
 
 from pfctl.errors import ConfigError, InputError
+from pfctl.models.packed_attention import PackedColumns, column_tokens, packed_columns
 from pfctl.models.rope import RotaryTable
 
 #: attention kernels of the DiTs (:meth:`PyramidAttention.set_attention_backend`, :func:`attention_kernels`)
-ATTENTION_BACKENDS = ("auto", "efficient", "cudnn")
+ATTENTION_BACKENDS = ("auto", "efficient", "cudnn", "flex")
 #: Additive attention mask value of a masked key: the finite value SDPA's cuDNN path itself substitutes for a
 #: boolean False (cuDNN mishandles -inf). With it every backend matches a boolean mask bit for bit: next to
 #: any allowed key (every row has one, the diagonal) exp(score - 65504 - max) underflows to exactly 0.
@@ -118,14 +121,10 @@ def visibility_rules(
     """Per column ``(Bc, S, rule)``: ``rule(b, h, q, kv)`` (FlexAttention's ``mask_mod`` signature; any
     broadcastable index tensors) says whether query ``q`` of item ``b`` may attend key ``kv`` of the column's
     ``S = L + n_k`` tokens: the definition of visibility the attention masks are built from."""
-    valid_cols = by_column(text_valid, num_columns)  # [Bc, K, L]
-    bc, text_len = valid_cols.shape[0], valid_cols.shape[2]
-    rules = []
-    for k, frames in enumerate(frame_ids):
-        valid = torch.cat([valid_cols[:, k], valid_cols.new_ones(bc, frames.shape[0])], dim=1)  # [Bc, S]
-        order = torch.cat([frames.new_zeros(text_len), frames])  # [S]: text is frame 0
-        rules.append((bc, valid.shape[1], _visibility_rule(valid, order, temporal_causal)))
-    return rules
+    return [
+        (valid.shape[0], valid.shape[1], _visibility_rule(valid, order, temporal_causal))
+        for valid, order in column_tokens(text_valid, frame_ids, num_columns)
+    ]
 
 
 def _visibility_rule(
@@ -420,6 +419,8 @@ def attention_kernels(backend: str) -> contextlib.AbstractContextManager:
       kernel, as with ``auto``). cuDNN builds a plan for every new shape, and a training run's shapes change
       every step (benchmarks/RESULTS.md: training steps were much slower with cuDNN allowed).
     * ``cudnn``: cuDNN's kernel first, the others where it cannot run a call (the CPU, unsupported shapes).
+    * ``flex``: the blocks attend every column in one FlexAttention call (:mod:`.packed_attention`), not
+      through SDPA; an SDPA call under it takes ``efficient``'s kernels.
 
     Entered around each call, so gradient checkpointing's recomputation uses the kernel the forward used;
     torch.compile traces it without a graph break."""
@@ -428,7 +429,7 @@ def attention_kernels(backend: str) -> contextlib.AbstractContextManager:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     others = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    if backend == "efficient":
+    if backend in ("efficient", "flex"):
         return sdpa_kernel(others)
     return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, *others], set_priority=True)
 
@@ -448,6 +449,8 @@ class PyramidLayout:
     rope: RotaryTable | None = None  # for the image tokens [N]
     joint_rope: RotaryTable | None = None  # for the [text_k; image_k] layout (text: identity)
     row_groups: list[list[RowGroup] | None] | None = None  # per column (:func:`causal_row_groups`), or None
+    # under the ``flex`` backend: every column's attention in one call (then ``attn_masks`` is empty)
+    packed: PackedColumns | None = None
     # the model attends long columns in row groups: this call's columns may all be too short to be grouped
     grouping: bool = False
     # per column, where the model groups: the row groups as one host table (:func:`group_table`; a column
@@ -530,11 +533,12 @@ class PyramidAttention:
         min_tokens: int | None = None,
         min_rows: int | None = None,
     ) -> None:
-        """Run attention with ``backend``: ``auto`` (default), ``efficient`` or ``cudnn`` (:func:`attention_kernels`);
-        with ``skip_future_keys`` (temporal-causal models only) in row groups that skip the keys causality hides
-        (:func:`causal_row_groups`), for columns of ``min_tokens`` or more (None: :data:`ROW_GROUP_MIN_TOKENS`),
-        each closing at ``min_rows`` rows (None: :data:`ROW_GROUP_MIN_ROWS`; 1: one frame per group, every
-        group without a mask). Same results up to float rounding either way."""
+        """Run attention with ``backend``: ``auto`` (default), ``efficient``, ``cudnn`` or ``flex``
+        (:func:`attention_kernels`); with ``skip_future_keys`` (temporal-causal models only, not ``flex``, which
+        skips those keys by itself) in row groups that skip the keys causality hides (:func:`causal_row_groups`),
+        for columns of ``min_tokens`` or more (None: :data:`ROW_GROUP_MIN_TOKENS`), each closing at ``min_rows``
+        rows (None: :data:`ROW_GROUP_MIN_ROWS`; 1: one frame per group, every group without a mask). Same
+        results up to float rounding either way."""
         if backend not in ATTENTION_BACKENDS:
             raise ConfigError(
                 f"unknown attention backend {backend!r}", hint=f"use one of {', '.join(ATTENTION_BACKENDS)}"
@@ -554,7 +558,14 @@ class PyramidAttention:
 
     @property
     def row_groups_active(self) -> bool:
-        return self.skip_future_keys and self.config.use_temporal_causal
+        """Row groups apply: asked for, temporal causality to exploit, and not the ``flex`` backend (whose
+        block-sparse mask skips the hidden keys by itself)."""
+        return self.skip_future_keys and self.config.use_temporal_causal and self.attention_backend != "flex"
+
+    def attends_tails(self) -> bool:
+        """Whether a block attends only the columns' tails (:func:`column_tails`): the ``flex`` backend then
+        builds their mask too."""
+        return False
 
     def attention_row_groups(
         self,
@@ -610,21 +621,29 @@ class PyramidAttention:
         joint_rope: RotaryTable | None = None,
     ) -> PyramidLayout:
         """The :class:`PyramidLayout` of one forward over the columns' clip ``grids`` ``(t, h, w)`` (tokens):
-        token counts, masks in ``dtype`` and row groups (:meth:`attention_masks`), and the model's RoPE
+        token counts, masks in ``dtype`` and row groups (:meth:`attention_masks`), or under the ``flex``
+        backend the packed columns' block-sparse masks (:func:`packed_columns`), and the model's RoPE
         tables."""
-        attn_masks, row_groups = self.attention_masks(text_valid, grids, frame_ids, text_lengths, dtype)
+        tail_lengths = [t * h * w for t, h, w in (col[-1] for col in grids)]
+        packed, attn_masks, row_groups = None, [], None
+        if self.attention_backend == "flex":
+            tails = tail_lengths if self.attends_tails() else None
+            packed = packed_columns(text_valid, frame_ids, len(grids), self.config.use_temporal_causal, tails)
+        else:
+            attn_masks, row_groups = self.attention_masks(text_valid, grids, frame_ids, text_lengths, dtype)
         return PyramidLayout(
             num_columns=len(grids),
             batch=batch,
             text_len=text_valid.shape[1],
             image_lengths=[sum(t * h * w for t, h, w in col) for col in grids],
-            tail_lengths=[t * h * w for t, h, w in (col[-1] for col in grids)],
+            tail_lengths=tail_lengths,
             attn_masks=attn_masks,
             attention_backend=self.attention_backend,
             rope=rope,
             joint_rope=joint_rope,
             row_groups=row_groups,
             grouping=self.row_groups_active,
+            packed=packed,
         )
 
     def align_text(

@@ -99,13 +99,16 @@ class FluxSingleAttention(AttentionOps, nn.Module):
         (the last block: the rows of ``x`` that :func:`column_tails` keeps) only those rows are attended,
         ``[Bc, sum(m_k), H*hd]``."""
         lengths, q_lengths, q_rope = layout.joint_lengths, layout.joint_lengths, layout.joint_rope
-        if queries is None:
-            queries = x
-        else:
+        tails = queries is not None
+        if tails:
             q_lengths, q_rope = layout.tail_lengths, tail_table(q_rope, lengths, layout.tail_lengths)
+        else:
+            queries = x
         q = self.norm_rope(self.to_q(queries).unflatten(-1, (self.heads, self.head_dim)), self.norm_q, q_rope)
         k = self.norm_rope(self.to_k(x).unflatten(-1, (self.heads, self.head_dim)), self.norm_k, layout.joint_rope)
         v = self.to_v(x).unflatten(-1, (self.heads, self.head_dim))  # [Bc, T, H, hd]
+        if layout.packed is not None:  # every column in one call
+            return layout.packed.attend(q, k, v, tails)
         outs = [
             self.attend(layout, column, qc, kc, vc)
             for column, (qc, kc, vc) in enumerate(
@@ -231,6 +234,10 @@ class PyramidFluxTransformer(PyramidAttention, ModelMixin, ConfigMixin):
     def initialize_weights(self) -> None:
         """Reference init (:func:`init_reference_weights`); the single-stream AdaLNs start at zero too."""
         init_reference_weights(self, extra_zero=[b.norm.linear for b in self.single_transformer_blocks])
+
+    def attends_tails(self) -> bool:
+        """The last single-stream block attends only the columns' tails."""
+        return len(self.single_transformer_blocks) > 0
 
     def blocks_in_order(self) -> list[tuple[str, nn.Module]]:
         """All transformer blocks in execution order (the order gradient checkpointing counts in,

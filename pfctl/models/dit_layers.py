@@ -376,6 +376,28 @@ class DualStreamAttention(AttentionOps, nn.Module):
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.unflatten(-1, (self.heads, self.head_dim))  # [B, S, H*hd] -> [B, S, H, hd]
 
+    def attend_by_column(
+        self, layout: PyramidLayout, text: Sequence[Sequence[torch.Tensor]], image: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """One attention call per column over ``[text_k; image_k]``: ``text`` is q, k, v each a list of the
+        columns' ``[Bc, L, H, hd]``, ``image`` q, k, v ``[Bc, N, H, hd]``; returns the columns' text and image
+        outputs."""
+        lengths, text_len = layout.image_lengths, layout.text_len
+        text_out, image_out = [], []
+        image_cols = (x.split(lengths, 1) for x in image)
+        for column, (cq_col, ck_col, cv_col, qi, ki, vi) in enumerate(zip(*text, *image_cols, strict=True)):
+            out = self.attend(
+                layout,
+                column,
+                torch.cat([cq_col, qi], dim=1),  # [Bc, L+n_k, H, hd]
+                torch.cat([ck_col, ki], dim=1),
+                torch.cat([cv_col, vi], dim=1),
+            )  # [Bc, L+n_k, H*hd]
+            text_part, image_part = out.split([text_len, qi.shape[1]], dim=1)
+            text_out.append(text_part)
+            image_out.append(image_part)
+        return text_out, image_out
+
     def forward(
         self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, layout: PyramidLayout
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -395,21 +417,10 @@ class DualStreamAttention(AttentionOps, nn.Module):
         # gradient with one stack/cat instead of zero-filling a full-size tensor per piece and adding them up
         cq, ck, cv = (by_column(t, layout.num_columns).unbind(1) for t in (cq, ck, cv))
 
-        lengths, text_len = layout.image_lengths, layout.text_len
-        image_out, text_out = [], []
-        for column, (cq_col, ck_col, cv_col, qi, ki, vi) in enumerate(
-            zip(cq, ck, cv, q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1), strict=True)
-        ):
-            out = self.attend(
-                layout,
-                column,
-                torch.cat([cq_col, qi], dim=1),  # [Bc, L+n_k, H, hd]
-                torch.cat([ck_col, ki], dim=1),
-                torch.cat([cv_col, vi], dim=1),
-            )  # [Bc, L+n_k, H*hd]
-            text_part, image_part = out.split([text_len, qi.shape[1]], dim=1)
-            text_out.append(text_part)
-            image_out.append(image_part)
+        if layout.packed is not None:  # every column in one call
+            text_out, image_out = layout.packed.attend_streams((cq, ck, cv), (q, k, v))
+        else:
+            text_out, image_out = self.attend_by_column(layout, (cq, ck, cv), (q, k, v))
         image = self.to_out[1](self.to_out[0](torch.cat(image_out, dim=1)))  # [Bc, N, D]
         if self.context_pre_only:
             return image, None

@@ -154,6 +154,9 @@ SPEED_CASES = [
     (["train.gradient_checkpointing=true", "train.skip_future_keys=true"], "cuda", 1, (True, False, "cudnn", "none")),
     (["train.compile=false", "train.skip_future_keys=true"], "cuda", 1, (False, False, "efficient", "none")),
     (["train.compile=true", "train.cuda_graphs=true"], "cpu", 1, (False, False, "efficient", "none")),
+    # FlexAttention: kept on CUDA (row groups or not), the memory-efficient kernel on the CPU (no backward)
+    (["train.attention=flex", "train.skip_future_keys=true"], "cuda", 1, (True, False, "flex", "none")),
+    (["train.attention=flex"], "cpu", 1, (False, False, "efficient", "none")),
 ]
 
 

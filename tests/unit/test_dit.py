@@ -392,7 +392,7 @@ def test_attention_backends_set_the_sdpa_kernels_around_every_call(kind: str, mo
         for got, want in zip(results[backend], results["auto"], strict=True):
             assert_rounding_close(got, want, **SUMS)
     with pytest.raises(ConfigError, match="attention backend"):
-        model.set_attention_backend("flex")
+        model.set_attention_backend("flash3")
     with pytest.raises(ConfigError, match="row-group minimum 0 is not a row count"):
         model.set_attention_backend("auto", skip_future_keys=True, min_rows=0)
     with pytest.raises(ConfigError, match="row-group threshold -1 is not a token count"):

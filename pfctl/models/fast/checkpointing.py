@@ -58,12 +58,18 @@ _ATTENTION_KERNELS = (
 
 @functools.cache
 def kept_operators() -> frozenset:
-    """The operators whose results a ``selective`` checkpointed block keeps."""
+    """The operators whose results a ``selective`` checkpointed block keeps: the attention's, through SDPA,
+    the row groups' operator or FlexAttention (the ``flex`` backend's operator, as torchtitan keeps it)."""
     import pfctl.models.fast.row_groups  # noqa: F401  (registers the row groups' training operator)
 
     ops = (getattr(torch.ops.aten, name, None) for name in _ATTENTION_KERNELS)
+    flex = getattr(torch.ops.higher_order, "flex_attention", None)
     return frozenset(
-        [*(op.default for op in ops if op is not None), torch.ops.pfctl.row_group_attention_train.default]
+        [
+            *(op.default for op in ops if op is not None),
+            torch.ops.pfctl.row_group_attention_train.default,
+            *([flex] if flex is not None else []),
+        ]
     )
 
 
