@@ -562,10 +562,10 @@ class PyramidAttention:
         block-sparse mask skips the hidden keys by itself)."""
         return self.skip_future_keys and self.config.use_temporal_causal and self.attention_backend != "flex"
 
-    def attends_tails(self) -> bool:
-        """Whether a block attends only the columns' tails (:func:`column_tails`): the ``flex`` backend then
-        builds their mask too."""
-        return False
+    def packed_orders(self) -> tuple[str, ...]:
+        """The token orders the blocks attend in under the ``flex`` backend (:class:`PackedColumns`): the
+        double-stream blocks' by default."""
+        return ("streams",)
 
     def attention_row_groups(
         self,
@@ -627,8 +627,8 @@ class PyramidAttention:
         tail_lengths = [t * h * w for t, h, w in (col[-1] for col in grids)]
         packed, attn_masks, row_groups = None, [], None
         if self.attention_backend == "flex":
-            tails = tail_lengths if self.attends_tails() else None
-            packed = packed_columns(text_valid, frame_ids, len(grids), self.config.use_temporal_causal, tails)
+            causal, orders = self.config.use_temporal_causal, self.packed_orders()
+            packed = packed_columns(text_valid, frame_ids, len(grids), causal, orders, tail_lengths)
         else:
             attn_masks, row_groups = self.attention_masks(text_valid, grids, frame_ids, text_lengths, dtype)
         return PyramidLayout(

@@ -108,7 +108,7 @@ class FluxSingleAttention(AttentionOps, nn.Module):
         k = self.norm_rope(self.to_k(x).unflatten(-1, (self.heads, self.head_dim)), self.norm_k, layout.joint_rope)
         v = self.to_v(x).unflatten(-1, (self.heads, self.head_dim))  # [Bc, T, H, hd]
         if layout.packed is not None:  # every column in one call
-            return layout.packed.attend(q, k, v, tails)
+            return layout.packed.attend(q, k, v, "tails" if tails else "joint")
         outs = [
             self.attend(layout, column, qc, kc, vc)
             for column, (qc, kc, vc) in enumerate(
@@ -235,9 +235,11 @@ class PyramidFluxTransformer(PyramidAttention, ModelMixin, ConfigMixin):
         """Reference init (:func:`init_reference_weights`); the single-stream AdaLNs start at zero too."""
         init_reference_weights(self, extra_zero=[b.norm.linear for b in self.single_transformer_blocks])
 
-    def attends_tails(self) -> bool:
-        """The last single-stream block attends only the columns' tails."""
-        return len(self.single_transformer_blocks) > 0
+    def packed_orders(self) -> tuple[str, ...]:
+        """The double-stream blocks attend in the streams' order, the single-stream ones in the joint order,
+        the last of them only the columns' tails."""
+        double = ("streams",) if len(self.transformer_blocks) else ()
+        return double + (("joint", "tails") if len(self.single_transformer_blocks) else ())
 
     def blocks_in_order(self) -> list[tuple[str, nn.Module]]:
         """All transformer blocks in execution order (the order gradient checkpointing counts in,

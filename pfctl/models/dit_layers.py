@@ -377,15 +377,18 @@ class DualStreamAttention(AttentionOps, nn.Module):
         return x.unflatten(-1, (self.heads, self.head_dim))  # [B, S, H*hd] -> [B, S, H, hd]
 
     def attend_by_column(
-        self, layout: PyramidLayout, text: Sequence[Sequence[torch.Tensor]], image: Sequence[torch.Tensor]
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """One attention call per column over ``[text_k; image_k]``: ``text`` is q, k, v each a list of the
-        columns' ``[Bc, L, H, hd]``, ``image`` q, k, v ``[Bc, N, H, hd]``; returns the columns' text and image
-        outputs."""
+        self, layout: PyramidLayout, text: Sequence[torch.Tensor], image: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One attention call per column over ``[text_k; image_k]``: ``text`` is q, k, v ``[K*Bc, L, H, hd]``
+        (rows ``b*K + k``), ``image`` q, k, v ``[Bc, N, H, hd]``; returns the text output ``[K*Bc, L, H*hd]``
+        (same rows) and the image output ``[Bc, N, H*hd]``."""
         lengths, text_len = layout.image_lengths, layout.text_len
-        text_out, image_out = [], []
+        # per column [Bc, L, H, hd]: unbind and split (not indexing/slicing) so that backward reassembles each
+        # gradient with one stack/cat instead of zero-filling a full-size tensor per piece and adding them up
+        text_cols = (by_column(x, layout.num_columns).unbind(1) for x in text)
         image_cols = (x.split(lengths, 1) for x in image)
-        for column, (cq_col, ck_col, cv_col, qi, ki, vi) in enumerate(zip(*text, *image_cols, strict=True)):
+        text_out, image_out = [], []
+        for column, (cq_col, ck_col, cv_col, qi, ki, vi) in enumerate(zip(*text_cols, *image_cols, strict=True)):
             out = self.attend(
                 layout,
                 column,
@@ -396,7 +399,8 @@ class DualStreamAttention(AttentionOps, nn.Module):
             text_part, image_part = out.split([text_len, qi.shape[1]], dim=1)
             text_out.append(text_part)
             image_out.append(image_part)
-        return text_out, image_out
+        # [Bc, K, L, .] -> [Bc*K, L, .] rows b*K + k
+        return torch.stack(text_out, dim=1).flatten(0, 1), torch.cat(image_out, dim=1)
 
     def forward(
         self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, layout: PyramidLayout
@@ -413,18 +417,13 @@ class DualStreamAttention(AttentionOps, nn.Module):
         cv = self._heads(self.add_v_proj(encoder_hidden_states))
         if norm_cq is not None:
             cq, ck = norm_cq(cq), norm_ck(ck)
-        # per column [Bc, L, H, hd]: unbind and split (not indexing/slicing) so that backward reassembles each
-        # gradient with one stack/cat instead of zero-filling a full-size tensor per piece and adding them up
-        cq, ck, cv = (by_column(t, layout.num_columns).unbind(1) for t in (cq, ck, cv))
-
         if layout.packed is not None:  # every column in one call
-            text_out, image_out = layout.packed.attend_streams((cq, ck, cv), (q, k, v))
+            text, image = layout.packed.attend_streams((cq, ck, cv), (q, k, v))
         else:
-            text_out, image_out = self.attend_by_column(layout, (cq, ck, cv), (q, k, v))
-        image = self.to_out[1](self.to_out[0](torch.cat(image_out, dim=1)))  # [Bc, N, D]
+            text, image = self.attend_by_column(layout, (cq, ck, cv), (q, k, v))
+        image = self.to_out[1](self.to_out[0](image))  # [Bc, N, D]
         if self.context_pre_only:
             return image, None
-        text = torch.stack(text_out, dim=1).flatten(0, 1)  # [Bc, K, L, .] -> [Bc*K, L, .] rows b*K + k
         return image, self.to_add_out(text)
 
 

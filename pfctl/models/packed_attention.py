@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BLOCK", "PackedColumns", "column_tokens", "packed_columns"]
+__all__ = ["BLOCK", "ORDERS", "PackedColumns", "column_tokens", "packed_columns"]
 
 #: tile size of the block-sparse mask, query and key tokens (FlexAttention's default)
 BLOCK = 128
@@ -47,39 +47,42 @@ def column_tokens(
     return tokens
 
 
+#: the token orders a forward's blocks attend in (:func:`packed_columns` builds a mask for each one asked for)
+ORDERS = ("joint", "streams", "tails")
+
+
 @dataclass
 class PackedColumns:
-    """The block-sparse masks of one forward's packed columns: ``joint`` (every token a query) and ``tails``
-    (the queries are the rows of each column's last clip, :func:`pfctl.models.attention_layout.column_tails`;
-    None where no block attends them)."""
+    """The block-sparse masks of one forward's packed columns, per token order (None where not built):
 
-    joint: Any  # torch.nn.attention.flex_attention.BlockMask
+    * ``joint``: ``[text_0; image_0; text_1; image_1; ...]``, the single-stream blocks' sequence;
+    * ``streams``: ``[text_0; ...; text_{K-1}; image_0; ...; image_{K-1}]``, the double-stream blocks' text rows
+      and image tokens side by side, as they come (no reordering);
+    * ``tails``: the joint order's keys, and as queries only the rows of each column's last clip
+      (:func:`pfctl.models.attention_layout.column_tails`), what the last single-stream block attends."""
+
+    joint: Any | None  # torch.nn.attention.flex_attention.BlockMask
+    streams: Any | None
     tails: Any | None
-    text_len: int
-    image_lengths: list[int]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tails: bool = False) -> torch.Tensor:
-        """``q [Bc, Sq, H, hd]`` (all packed tokens, or with ``tails`` the columns' tails), ``k, v [Bc, T, H, hd]``
-        packed -> ``[Bc, Sq, H*hd]``."""
-        mask = self.tails if tails else self.joint
-        out = _flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)  # [Bc, H, Sq, hd]
-        return out.transpose(1, 2).flatten(2)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, order: str = "joint") -> torch.Tensor:
+        """``q [Bc, Sq, H, hd]``, ``k, v [Bc, T, H, hd]``, packed in ``order`` -> ``[Bc, Sq, H*hd]``."""
+        out = _flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), getattr(self, order))
+        return out.transpose(1, 2).flatten(2)  # from [Bc, H, Sq, hd]
 
     def attend_streams(
-        self,
-        text: Sequence[Sequence[torch.Tensor]],
-        image: Sequence[torch.Tensor],
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The double-stream blocks' joint attention: ``text`` is q, k, v each a list of the columns' text
-        tokens ``[Bc, L, H, hd]``, ``image`` q, k, v ``[Bc, N, H, hd]`` (all columns). Returns the columns'
-        text outputs ``[Bc, L, H*hd]`` and image outputs ``[Bc, n_k, H*hd]``, in column order."""
-        packed = []
-        for text_part, image_part in zip(text, image, strict=True):
-            pieces = zip(text_part, image_part.split(self.image_lengths, 1), strict=True)
-            packed.append(torch.cat([t for pair in pieces for t in pair], dim=1))  # [Bc, T, H, hd]
-        sizes = [n for image_len in self.image_lengths for n in (self.text_len, image_len)]
-        parts = self.attend(*packed).split(sizes, dim=1)
-        return list(parts[0::2]), list(parts[1::2])
+        self, text: Sequence[torch.Tensor], image: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The double-stream blocks' joint attention: ``text`` is q, k, v ``[K*Bc, L, H, hd]`` (rows ``b*K + k``),
+        ``image`` q, k, v ``[Bc, N, H, hd]`` (all columns). Returns the text output ``[K*Bc, L, H*hd]`` (same
+        rows) and the image output ``[Bc, N, H*hd]``."""
+        (rows, text_len), (batch, tokens) = text[0].shape[:2], image[0].shape[:2]
+        packed = [  # [Bc, K*L + N, H, hd]: item b's text rows b*K..b*K+K-1 in turn, then its image tokens
+            torch.cat([t.unflatten(0, (batch, -1)).flatten(1, 2), i], dim=1)
+            for t, i in zip(text, image, strict=True)
+        ]
+        text_out, image_out = self.attend(*packed, order="streams").split([rows // batch * text_len, tokens], 1)
+        return text_out.reshape(rows, text_len, -1), image_out
 
 
 def packed_columns(
@@ -87,28 +90,38 @@ def packed_columns(
     frame_ids: Sequence[torch.Tensor],
     num_columns: int,
     temporal_causal: bool,
+    orders: Sequence[str] = ORDERS,
     tail_lengths: Sequence[int] | None = None,
 ) -> PackedColumns:
-    """The :class:`PackedColumns` of one forward: ``text_valid [K*Bc, L]`` and ``frame_ids`` as for
-    :func:`column_tokens`; ``tail_lengths`` (per column, the tokens of its last clip) also builds the mask of
-    the tails' queries."""
+    """The :class:`PackedColumns` of one forward, with the masks of ``orders`` (:data:`ORDERS`):
+    ``text_valid [K*Bc, L]`` and ``frame_ids`` as for :func:`column_tokens`; ``tail_lengths`` (per column,
+    the tokens of its last clip) for ``tails``."""
     tokens = column_tokens(text_valid, frame_ids, num_columns)
-    valid = torch.cat([v for v, _ in tokens], dim=1)  # [Bc, T]
-    order = torch.cat([o for _, o in tokens])  # [T]
-    sizes = [o.shape[0] for _, o in tokens]
-    column = torch.repeat_interleave(
-        torch.arange(len(sizes), device=order.device), torch.tensor(sizes, device=order.device)
-    )
-    rule = _visible(valid, order, column, temporal_causal)
-    total = sum(sizes)
-    joint = _block_mask(rule, valid.shape[0], total, total, order.device)
-    tails = None
-    if tail_lengths is not None:
-        ends = torch.tensor(sizes).cumsum(0).tolist()
+    text_len, batch, device = text_valid.shape[1], text_valid.shape[0] // num_columns, text_valid.device
+    texts = [(k, slice(0, text_len)) for k in range(num_columns)]
+    images = [(k, slice(text_len, None)) for k in range(num_columns)]
+    joint_pieces = [piece for pair in zip(texts, images, strict=True) for piece in pair]
+    masks = dict.fromkeys(ORDERS)
+    for order in orders:
+        rule, total = _packed_rule(tokens, texts + images if order == "streams" else joint_pieces, temporal_causal)
+        if order != "tails":
+            masks[order] = _block_mask(rule, batch, total, total, device)
+            continue
+        ends = torch.tensor([o.shape[0] for _, o in tokens]).cumsum(0).tolist()
         rows = torch.cat([torch.arange(end - m, end) for end, m in zip(ends, tail_lengths, strict=True)])
-        rows = rows.to(order.device)
-        tails = _block_mask(_of_rows(rule, rows), valid.shape[0], rows.shape[0], total, order.device)
-    return PackedColumns(joint, tails, text_valid.shape[1], [n - text_valid.shape[1] for n in sizes])
+        masks[order] = _block_mask(_of_rows(rule, rows.to(device)), batch, rows.shape[0], total, device)
+    return PackedColumns(**masks)
+
+
+def _packed_rule(
+    tokens: Sequence[tuple[torch.Tensor, torch.Tensor]], pieces: Sequence[tuple[int, slice]], temporal_causal: bool
+) -> tuple[Callable[..., torch.Tensor], int]:
+    """The rule of the columns' tokens (:func:`column_tokens`) packed as ``pieces`` (column, token slice) in
+    order, and the packed length."""
+    valid = torch.cat([tokens[k][0][:, part] for k, part in pieces], dim=1)  # [Bc, T]
+    order = torch.cat([tokens[k][1][part] for k, part in pieces])  # [T]
+    column = torch.cat([torch.full_like(tokens[k][1][part], k) for k, part in pieces])
+    return _visible(valid, order, column, temporal_causal), order.shape[0]
 
 
 def _visible(

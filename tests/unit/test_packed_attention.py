@@ -9,6 +9,7 @@ the backward like any other autograd operator: the ``cpu_backward`` fixture lift
 
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 from helpers.tiny_dit import LATENT_C, PLAIN, SUMS, build, checkpointed, clone_args, inputs
 from helpers.tolerance import assert_rounding_close
 from pfctl.models import attention_layout as al
-from pfctl.models.packed_attention import BLOCK, packed_columns
+from pfctl.models.packed_attention import BLOCK, ORDERS, packed_columns
 
 #: columns of clips (t, h, w) in tokens: several tiles of ``BLOCK`` tokens, none a multiple of it
 GRIDS = [[(1, 4, 6), (2, 8, 12)], [(3, 5, 5)], [(1, 2, 2), (1, 4, 4), (2, 9, 10)]]
@@ -56,26 +57,35 @@ def _dense_visibility(text_valid: torch.Tensor, frame_ids: list[torch.Tensor], c
     return dense
 
 
+def _positions(sizes: list[int], tails: list[int]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per token order (:data:`ORDERS`) its queries' and keys' positions in the joint order."""
+    starts = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+    text = [torch.arange(a, a + TEXT_LEN) for a in starts[:-1]]
+    image = [torch.arange(a + TEXT_LEN, b) for a, b in itertools.pairwise(starts)]
+    every, streams = torch.arange(starts[-1]), torch.cat(text + image)
+    rows = torch.cat([torch.arange(end - m, end) for end, m in zip(starts[1:], tails, strict=True)])
+    return {"joint": (every, every), "streams": (streams, streams), "tails": (rows, every)}
+
+
 @pytest.mark.parametrize("causal", [True, False])
-def test_block_mask_marks_the_tiles_the_column_masks_make_visible(causal: bool) -> None:
-    """A tile with a visible pair is in the mask, a tile visible throughout is a full one (the kernel skips the
-    rule there), a tile with none is skipped: the joint mask and the tails' (their rows of the joint one)."""
+def test_block_masks_mark_the_tiles_the_column_masks_make_visible(causal: bool) -> None:
+    """In every token order a tile with a visible pair is in the mask, a tile visible throughout is a full one
+    (the kernel skips the rule there), a tile with none is skipped."""
     text_valid, frame_ids, sizes, tails = _layout(causal)
-    packed = packed_columns(text_valid, frame_ids, len(GRIDS), causal, tails)
+    packed = packed_columns(text_valid, frame_ids, len(GRIDS), causal, ORDERS, tails)
     dense = _dense_visibility(text_valid, frame_ids, causal)
-    ends = torch.tensor(sizes).cumsum(0)
-    rows = torch.cat([torch.arange(end - m, end) for end, m in zip(ends.tolist(), tails, strict=True)])
-    assert packed.joint.shape[-2:] == (sum(sizes), sum(sizes)) and packed.tails.shape[-2] == rows.shape[0]
-    for mask, visible in ((packed.joint, dense), (packed.tails, dense[:, rows])):
+    for order, (queries, keys) in _positions(sizes, tails).items():
+        mask, visible = getattr(packed, order), dense[:, queries][:, :, keys]
         q_len, kv_len = visible.shape[1:]
+        assert mask.shape[-2:] == (q_len, kv_len)
         padded = torch.zeros(BATCH, -(-q_len // BLOCK) * BLOCK, -(-kv_len // BLOCK) * BLOCK, dtype=torch.int64)
         padded[:, :q_len, :kv_len] = visible
         count = padded.view(BATCH, padded.shape[1] // BLOCK, BLOCK, -1, BLOCK).sum((2, 4))
         full = _tiles(mask.full_kv_num_blocks, mask.full_kv_indices, count.shape)
         partial = _tiles(mask.kv_num_blocks, mask.kv_indices, count.shape)
-        assert torch.equal(full, count == BLOCK * BLOCK)
-        assert torch.equal(partial, (count > 0) & (count < BLOCK * BLOCK))
-    assert (count == 0).any(), "the layout has tiles to skip"
+        assert torch.equal(full, count == BLOCK * BLOCK), order
+        assert torch.equal(partial, (count > 0) & (count < BLOCK * BLOCK)), order
+        assert (count == 0).any(), f"{order}: the layout has tiles to skip"
 
 
 def _tiles(num: torch.Tensor, indices: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -88,33 +98,30 @@ def _tiles(num: torch.Tensor, indices: torch.Tensor, shape: torch.Size) -> torch
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_one_call_attends_as_one_masked_call_per_column(causal: bool, cpu_backward: None) -> None:
-    """Outputs and q/k/v gradients of the packed call equal the per-column SDPA calls' (float64: only the
-    summation order differs), for all rows and for the columns' tails."""
+    """In every token order the packed call's outputs and q/k/v gradients equal the per-column SDPA calls'
+    (float64: only the summation order differs)."""
     text_valid, frame_ids, sizes, tails = _layout(causal)
-    packed = packed_columns(text_valid, frame_ids, len(GRIDS), causal, tails)
+    packed = packed_columns(text_valid, frame_ids, len(GRIDS), causal, ORDERS, tails)
     masks = al.build_attention_bias(text_valid, frame_ids, len(GRIDS), causal, torch.float64)
     gen = torch.Generator().manual_seed(1)
     q, k, v = (
         torch.randn(BATCH, sum(sizes), HEADS, HEAD_DIM, generator=gen, dtype=torch.float64).requires_grad_()
         for _ in range(3)
     )
-    for queries, q_sizes, tail in ((q, sizes, False), (al.column_tails(q, sizes, tails), tails, True)):
-        out = packed.attend(queries, k, v, tails=tail)
-        expected = torch.cat(
-            [
-                al.masked_attention(qc, kc, vc, mask)
-                for qc, kc, vc, mask in zip(
-                    queries.split(q_sizes, 1), k.split(sizes, 1), v.split(sizes, 1), masks, strict=True
-                )
-            ],
-            dim=1,
-        )
+    per_column = zip(q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1), masks, strict=True)
+    expected = torch.cat([al.masked_attention(*call) for call in per_column], dim=1)  # every row, joint order
+    for order, (queries, keys) in _positions(sizes, tails).items():
+        out = packed.attend(q[:, queries], k[:, keys], v[:, keys], order)
+        want = expected[:, queries]
         grad = torch.randn(out.shape, generator=gen, dtype=out.dtype)
-        assert_rounding_close(out, expected, reduction=max(sizes), depth=2)
-        for got, want in zip(
-            torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad), strict=True
-        ):
-            assert_rounding_close(got, want, reduction=max(sizes), depth=4)
+        assert_rounding_close(out, want, reduction=max(sizes), depth=2, msg=order)
+        pairs = zip(
+            torch.autograd.grad(out, (q, k, v), grad),
+            torch.autograd.grad(want, (q, k, v), grad, retain_graph=True),  # the next order's too
+            strict=True,
+        )
+        for got, wanted in pairs:
+            assert_rounding_close(got, wanted, reduction=max(sizes), depth=4, msg=order)
 
 
 @pytest.mark.parametrize("kind", ["flux", "mmdit"])
