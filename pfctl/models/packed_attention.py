@@ -1,16 +1,18 @@
 """Every column of a DiT call attended in one FlexAttention call (the ``flex`` attention backend).
 
-The columns' ``[text_k; image_k]`` tokens lie side by side in one sequence, the single-stream blocks' own
-order. One block-sparse mask holds what the per-column masks say, plus the column: a query sees a key of its
-own column whose text-padding state is its own and, under temporal causality, whose frame is not after its
-own (text counts as frame 0) — the rule of :func:`pfctl.models.attention_layout.visibility_rules`. Tiles of
-``BLOCK`` x ``BLOCK`` query and key tokens with no visible pair are skipped and tiles visible throughout run
-without the rule, so a call costs about what its columns' own attentions cost, less the keys temporal
-causality hides; a block makes one attention call however many columns the forward has (the merged
-micro-batches double them), where the SDPA backends make one per column.
+The columns' text and image tokens lie in one sequence, in the order the blocks hold them: the single-stream
+blocks' ``[text_0; image_0; text_1; ...]``, or the double-stream blocks' text rows of all columns followed by
+their image tokens (:data:`ORDERS`). Nothing is reordered; a block-sparse mask per order says who sees whom:
+a query sees a key of its own column whose text-padding state is its own and, under temporal causality,
+whose frame is not after its own (text counts as frame 0): the rule of
+:func:`pfctl.models.attention_layout.visibility_rules`, plus the column. Tiles of ``BLOCK`` x ``BLOCK`` query
+and key tokens with no visible pair are skipped and tiles visible throughout run without the rule, so a call
+costs about what its columns' own attentions cost, less the keys temporal causality hides. A block makes one
+attention call however many columns the forward has (the merged micro-batches double them), where the SDPA
+backends make one per column.
 
-The mask is built once per forward from the token layout alone (:func:`packed_columns`), a few query rows at
-a time, so no ``[T, T]`` mask is ever held. PyTorch generates the attention kernel, forward and backward:
+The masks are built once per forward from the token layout alone (:func:`packed_columns`), a few query rows
+at a time, so no ``[T, T]`` mask is ever held. PyTorch generates the attention kernel, forward and backward:
 compiled blocks trace it into their graphs; elsewhere on CUDA the call is compiled on its own. PyTorch's
 FlexAttention has no CPU backward, so CPU training keeps the SDPA backends (``train.attention``).
 """
