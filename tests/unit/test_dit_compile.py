@@ -317,11 +317,13 @@ def test_compiled_training_blocks_trace_without_the_fake_tensor_cache(
     assert trace.graphs and trace.fake_cache_lookups == (0, 0)
 
 
-@pytest.mark.parametrize("attention", ["auto", "cudnn", "efficient"])
-def test_compiled_blocks_are_cacheable_by_aot_autograd(attention: str) -> None:
+@pytest.mark.parametrize("attention", ["auto", "cudnn", "efficient", "flex"])
+def test_compiled_blocks_are_cacheable_by_aot_autograd(attention: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """AOTAutograd's on-disk cache takes the compiled blocks' graphs (so a later run does not trace their joint
-    graphs again) although they hold the lean autograd Functions and, with a chosen attention kernel, the calls
-    ``sdpa_kernel`` is traced into: the cache takes neither by default, and compiled blocks ask it to."""
+    graphs again) although they hold the lean autograd Functions and, with a chosen SDPA kernel, the calls
+    ``sdpa_kernel`` is traced into: the cache takes neither by default, and compiled blocks ask it to. With
+    ``flex``, FlexAttention's operator and its mask (its backward lifted on the CPU, as in
+    ``test_packed_attention.py``)."""
     from torch._functorch._aot_autograd.autograd_cache import check_cacheable
     from torch._inductor import config as inductor_config
 
@@ -334,6 +336,9 @@ def test_compiled_blocks_are_cacheable_by_aot_autograd(attention: str) -> None:
         checked.append(gm.code)
         return gm.forward
 
+    import torch.nn.attention.flex_attention as flex
+
+    monkeypatch.setattr(flex, "_validate_device", lambda *args: None, raising=False)
     model = build("flux", num_layers=1, num_single_layers=1).train()
     model.set_attention_backend(attention, False)
     torch._dynamo.reset()
@@ -347,7 +352,8 @@ def test_compiled_blocks_are_cacheable_by_aot_autograd(attention: str) -> None:
     finally:
         torch._dynamo.reset()
     assert checked and any("autograd_function_apply" in code for code in checked)
-    assert any("sdpa_kernel" in code for code in checked) == (attention != "auto")
+    assert any("sdpa_kernel" in code for code in checked) == (attention in ("cudnn", "efficient"))
+    assert any("flex_attention" in code for code in checked) == (attention == "flex")
 
 
 def _to(args: dict, device: str) -> dict:
