@@ -24,6 +24,11 @@ class FastPathsConfig(Section):
     lean_autograd: bool = True
     """Hand-written backward for the DiT's RMS norm, RoPE and per-column modulation: the same products and
     sums in fewer kernels, keeping less for backward (training; the forward is unchanged)."""
+    fused_projections: bool = True
+    """The DiT's q/k/v projections of one input as one product, the three weights stacked at each call: one
+    matrix product and one weight cast instead of three, and in the backward one product for the input's
+    gradient and one for the weights' (training under autocast with fp32 weights, the trainer's mixed
+    precision, where the casts are made anyway; a LoRA layer keeps its own product)."""
     fused_vae_norm: bool = True
     """The causal VAE's per-frame GroupNorm (+ SiLU) and conv biases in Triton kernels (CUDA, channels-last
     inference)."""
@@ -31,4 +36,10 @@ class FastPathsConfig(Section):
     @property
     def any_on(self) -> bool:
         """Whether any path is on (when none is, the fast package is never imported)."""
-        return self.fused_qk_rope or self.fused_products or self.lean_autograd or self.fused_vae_norm
+        return (
+            self.fused_qk_rope
+            or self.fused_products
+            or self.lean_autograd
+            or self.fused_projections
+            or self.fused_vae_norm
+        )

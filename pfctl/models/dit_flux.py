@@ -100,13 +100,13 @@ class FluxSingleAttention(AttentionOps, nn.Module):
         ``[Bc, sum(m_k), H*hd]``."""
         lengths, q_lengths, q_rope = layout.joint_lengths, layout.joint_lengths, layout.joint_rope
         tails = queries is not None
-        if tails:
+        if tails:  # q from the tails' rows, k and v from all
             q_lengths, q_rope = layout.tail_lengths, tail_table(q_rope, lengths, layout.tail_lengths)
+            q, k, v = [*self.project(queries, (self.to_q,)), *self.project(x, (self.to_k, self.to_v))]
         else:
-            queries = x
-        q = self.norm_rope(self.to_q(queries).unflatten(-1, (self.heads, self.head_dim)), self.norm_q, q_rope)
-        k = self.norm_rope(self.to_k(x).unflatten(-1, (self.heads, self.head_dim)), self.norm_k, layout.joint_rope)
-        v = self.to_v(x).unflatten(-1, (self.heads, self.head_dim))  # [Bc, T, H, hd]
+            q, k, v = self.project(x, (self.to_q, self.to_k, self.to_v))
+        q, k, v = (t.unflatten(-1, (self.heads, self.head_dim)) for t in (q, k, v))  # [Bc, T, H, hd]
+        q, k = self.norm_rope(q, self.norm_q, q_rope), self.norm_rope(k, self.norm_k, layout.joint_rope)
         if layout.packed is not None:  # every column in one call
             return layout.packed.attend(q, k, v, "tails" if tails else "joint")
         outs = [

@@ -315,7 +315,12 @@ def final_layer(
 
 
 class AttentionOps:
-    """Mixin of the attention modules: the steps between the q/k/v projections and the output projection."""
+    """Mixin of the attention modules: the q/k/v projections and the steps between them and the output
+    projection."""
+
+    def project(self, x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
+        """Each of ``linears`` applied to ``x`` (q, k, v of one input)."""
+        return [linear(x) for linear in linears]
 
     def norm_rope(self, x: torch.Tensor, norm: nn.Module | None, table: RotaryTable | None) -> torch.Tensor:
         """``rotate(norm(x), table)`` for q or k ``[B, S, H, hd]`` (no norm when ``norm`` is None, no rotation
@@ -406,15 +411,12 @@ class DualStreamAttention(AttentionOps, nn.Module):
         self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, layout: PyramidLayout
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # image side: [Bc, N, D] -> [Bc, N, H, hd]
-        q = self._heads(self.to_q(hidden_states))
-        k = self._heads(self.to_k(hidden_states))
-        v = self._heads(self.to_v(hidden_states))
+        q, k, v = (self._heads(x) for x in self.project(hidden_states, (self.to_q, self.to_k, self.to_v)))
         q, k = self.norm_rope(q, self.norm_q, layout.rope), self.norm_rope(k, self.norm_k, layout.rope)
         # text side: [K*Bc, L, D] -> [K*Bc, L, H, hd]
         norm_cq, norm_ck = getattr(self, self._ctx_q), getattr(self, self._ctx_k)
-        cq = self._heads(self.add_q_proj(encoder_hidden_states))
-        ck = self._heads(self.add_k_proj(encoder_hidden_states))
-        cv = self._heads(self.add_v_proj(encoder_hidden_states))
+        text_projections = (self.add_q_proj, self.add_k_proj, self.add_v_proj)
+        cq, ck, cv = (self._heads(x) for x in self.project(encoder_hidden_states, text_projections))
         if norm_cq is not None:
             cq, ck = norm_cq(cq), norm_ck(ck)
         if layout.packed is not None:  # every column in one call

@@ -70,7 +70,9 @@ def build(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
     return model.eval()
 
 
-PLAIN = FastPathsConfig(fused_qk_rope=False, fused_products=False, lean_autograd=False, fused_vae_norm=False)
+PLAIN = FastPathsConfig(
+    fused_qk_rope=False, fused_products=False, lean_autograd=False, fused_projections=False, fused_vae_norm=False
+)
 
 
 def checkpointed(

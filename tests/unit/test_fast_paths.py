@@ -549,7 +549,8 @@ from pfctl.models.dit_flux import PyramidFluxTransformer
 from pfctl.models.dit_mmdit import PyramidDiffusionMMDiT
 from pfctl.models.vae import PyramidCausalVAE, build_tiny_causal_vae, with_fast_paths
 
-off = FastPathsConfig(fused_qk_rope=False, fused_products=False, lean_autograd=False, fused_vae_norm=False)
+off = FastPathsConfig(fused_qk_rope=False, fused_products=False, lean_autograd=False, fused_projections=False,
+                      fused_vae_norm=False)
 flux = PyramidFluxTransformer(in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=8,
                               num_attention_heads=2, joint_attention_dim=12, pooled_projection_dim=10,
                               axes_dims_rope=[2, 2, 4])

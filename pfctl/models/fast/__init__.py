@@ -98,6 +98,7 @@ def _swap_kernels(model: nn.Module, paths: FastPaths) -> list[str]:
         ("lean autograd", k.lean_autograd, _lean_swaps, None),
         ("fused q/k norm + RoPE", k.fused_qk_rope, _qk_swaps, _qk_kernel_works),
         ("fused products", k.fused_products, _product_swaps, None),
+        ("fused q/k/v projections", k.fused_projections, _projection_swaps, None),
         ("fused VAE norms", k.fused_vae_norm, _vae_swaps, _vae_kernels_work),
         ("row groups as one operator", paths.compile, _row_group_swaps, None),
     ]
@@ -145,6 +146,13 @@ def _product_swaps() -> list[tuple[type, type]]:
     from pfctl.models.fast.products import FusedGELUProj, FusedSingleBlockProducts
 
     return [(GELUProj, FusedGELUProj), (FluxSingleTransformerBlock, FusedSingleBlockProducts)]
+
+
+def _projection_swaps() -> list[tuple[type, type]]:
+    from pfctl.models.dit_layers import AttentionOps
+    from pfctl.models.fast.products import FusedProjections
+
+    return [(AttentionOps, FusedProjections)]
 
 
 def _vae_swaps() -> list[tuple[type, type]]:

@@ -1,4 +1,5 @@
-"""Two products of the DiT blocks without their elementwise passes (CUDA, inference).
+"""Products of the DiT blocks: two without their elementwise passes (CUDA, inference), and the q/k/v
+projections of one input as one product (training).
 
 Both DiTs widen the hidden states fourfold with a linear layer followed by a tanh-approximated GELU (the
 double blocks' feed-forward, the single blocks' ``proj_mlp``), and the single blocks project the
@@ -18,6 +19,13 @@ Swapped in by :func:`pfctl.models.fast.apply_fast_paths` (``fused_products``): :
 :class:`FusedSingleBlockProducts` take these where :func:`applies` (CUDA, half precision, plain
 ``nn.Linear`` layers with a bias -- a LoRA layer is not one --, no autograd); everything else, training
 included, takes the PyTorch ops.
+
+In training, each attention module projects one input to q, k and v with three linear layers: three
+products forward (each with its weight's cast under autocast) and, backward, three products for the input's
+gradient, summed, and three for the weights'. :func:`stacked_linear` makes them one product of the stacked
+weights each way (``fused_projections``, :class:`FusedProjections`, where autocast casts the weights at each
+call); the parameters and their state-dict keys stay the three layers'. Each output element is the same dot
+product, summed in the product's own order.
 """
 
 from __future__ import annotations
@@ -30,7 +38,15 @@ from torch import Tensor, nn
 
 from pfctl.models.fast.qk_norm_rope import cuda_half_inference
 
-__all__ = ["FusedGELUProj", "FusedSingleBlockProducts", "applies", "concat_linear", "linear_gelu"]
+__all__ = [
+    "FusedGELUProj",
+    "FusedProjections",
+    "FusedSingleBlockProducts",
+    "applies",
+    "concat_linear",
+    "linear_gelu",
+    "stacked_linear",
+]
 
 
 def applies(linear: nn.Module, x: Tensor) -> bool:
@@ -82,3 +98,41 @@ class FusedSingleBlockProducts:
 
     def project_out(self, attn: Tensor, mlp: Tensor) -> Tensor:
         return concat_linear(self.proj_out, [attn, mlp])
+
+
+def stacked_linear(linears: Sequence[nn.Module], x: Tensor) -> list[Tensor] | None:
+    """``[linear(x) for linear in linears]`` as one product of ``x`` with the linears' weights (and biases)
+    stacked, split after: one product forward; backward, one for ``x``'s gradient (summed over the three in
+    the product) and one for the stacked weights'. None where it does not apply: fewer than two layers, or one
+    that is not a plain ``nn.Linear`` (a LoRA layer), or biases on some and not others."""
+    has_bias = {linear.bias is not None for linear in linears if type(linear) is nn.Linear}
+    if len(linears) < 2 or not all(type(linear) is nn.Linear for linear in linears) or len(has_bias) != 1:
+        return None
+    weight = torch.cat([linear.weight for linear in linears])
+    bias = torch.cat([linear.bias for linear in linears]) if has_bias == {True} else None
+    return list(F.linear(x, weight, bias).split([linear.out_features for linear in linears], dim=-1))
+
+
+class FusedProjections:
+    """Mixin of the attention modules: the projections of one input as one product (:func:`stacked_linear`)
+    when training under autocast with weights it casts at each call (the trainer's fp32 weights in bf16
+    autocast). The stacked weights' cast is what the backward keeps, as it keeps the three casts otherwise;
+    weights used as they are (fp32 training, a bf16 base, FSDP's bf16 gathers) would be kept a second time,
+    stacked, so those keep the three products. So does inference: its outputs are contiguous, as the fused
+    q/k norm + RoPE kernel (:mod:`.qk_norm_rope`) needs, where the stacked product's split gives strided
+    views."""
+
+    def project(self, x: Tensor, linears: Sequence[nn.Module]) -> list[Tensor]:
+        if _cast_each_call(x, linears) and (outs := stacked_linear(linears, x)) is not None:
+            return outs
+        return super().project(x, linears)
+
+
+def _cast_each_call(x: Tensor, linears: Sequence[nn.Module]) -> bool:
+    """Training under autocast, the first layer's weight in another dtype than autocast's."""
+    device = x.device.type
+    if not (torch.is_grad_enabled() and torch.is_autocast_enabled(device)):
+        return False
+    weight = getattr(linears[0], "weight", None)
+    return isinstance(weight, Tensor) and weight.dtype != torch.get_autocast_dtype(device)
+
