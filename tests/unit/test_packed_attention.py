@@ -174,9 +174,10 @@ def test_selective_checkpointing_keeps_the_packed_attention(cpu_backward: None, 
 @pytest.mark.slow
 def test_compiled_blocks_attend_in_one_call_without_recompiling(cpu_backward: None) -> None:
     """Blocks compiled with dynamic sizes (Dynamo and AOTAutograd, ``aot_eager``) take the packed call and its
-    block mask as graph inputs: three training steps with other token counts trace each block kind once, and
-    give the eager blocks' outputs and gradients. (The eager model runs first: PyTorch's uncompiled
-    FlexAttention traces graphs of its own, which the count leaves out.)"""
+    block mask as graph inputs, the double block checkpointed inside its graph (``selective``: torchtitan's
+    stack): three training steps with other token counts trace each block kind once, and give the eager
+    blocks' outputs and gradients. (The eager model runs first: PyTorch's uncompiled FlexAttention traces
+    graphs of its own, which the count leaves out.)"""
     from torch._dynamo.utils import counters
 
     from pfctl.models.fast import FastPaths, apply_fast_paths
@@ -193,11 +194,14 @@ def test_compiled_blocks_attend_in_one_call_without_recompiling(cpu_backward: No
     eager, compiled = build("flux").train(), build("flux").train()
     for model in (eager, compiled):
         model.set_attention_backend("flex")
+    checkpointed = {"checkpointing_ratio": 1 / 3, "checkpointing_policy": "selective"}  # the first of 3 blocks
+    apply_fast_paths(eager, FastPaths(PLAIN, **checkpointed))
     torch._dynamo.reset()
     try:
         expected = [_train_step(eager, args) for args in steps]
         counters.clear()
-        apply_fast_paths(compiled, FastPaths(PLAIN, compile=True, compile_backend="aot_eager", independent_sizes=True))
+        paths = FastPaths(PLAIN, **checkpointed, compile=True, compile_backend="aot_eager", independent_sizes=True)
+        apply_fast_paths(compiled, paths)
         for step, args in enumerate(steps):
             outs, grads = _train_step(compiled, args)
             for a, b in zip(expected[step][0], outs, strict=True):
