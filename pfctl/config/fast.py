@@ -26,9 +26,10 @@ class FastPathsConfig(Section):
     sums in fewer kernels, keeping less for backward (training; the forward is unchanged)."""
     fused_projections: bool = True
     """The DiT's q/k/v projections of one input as one product, the three weights stacked at each call: one
-    matrix product and one weight cast instead of three, and in the backward one product for the input's
-    gradient and one for the weights' (training under autocast with fp32 weights, the trainer's mixed
-    precision, where the casts are made anyway; a LoRA layer keeps its own product)."""
+    matrix product instead of three (and under autocast one weight cast), and in the backward one product for
+    the input's gradient and one for the weights' (training in half precision: the trainer's fp32 weights
+    under bf16 autocast, or weights already in bf16 such as FSDP2's gathers, whose backward stacks them again
+    rather than keep a copy; fp32 training and inference keep three products, and a LoRA layer its own)."""
     fused_vae_norm: bool = True
     """The causal VAE's per-frame GroupNorm (+ SiLU) and conv biases in Triton kernels (CUDA, channels-last
     inference)."""

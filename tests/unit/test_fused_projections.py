@@ -30,6 +30,10 @@ class _Products(TorchDispatchMode):
         super().__init__()
         self.count = 0
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:  # compiled blocks compile under it; their calls are counted
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += func in PRODUCTS
         return func(*args, **(kwargs or {}))
@@ -50,6 +54,30 @@ def test_stacked_linear_is_the_separate_products() -> None:
     for got, want in zip([*stacked_outs, *stacked_grad], [*outs, *grad], strict=True):
         assert_rounding_close(got, want, reduction=32, depth=2)
     assert stacked_linear([layers[0]], x) is None  # one layer: nothing to stack
+
+
+@pytest.mark.parametrize("keep_stack", [True, False])
+def test_the_stacked_product_backward_keeps_the_weights_or_their_stack(keep_stack: bool) -> None:
+    """Autograd keeps the stacked weights for the input's gradient; :class:`StackedLinear` keeps the weights
+    themselves (for weights kept anyway: FSDP2's gathered ones) and gives the same gradients, none for a frozen
+    weight."""
+    gen = torch.Generator().manual_seed(0)
+    layers = [nn.Linear(32, 16) for _ in range(3)]
+    layers[1].weight.requires_grad_(False)
+    x = torch.randn(2, 5, 32, generator=gen, requires_grad=True)
+    grads = [torch.randn(2, 5, 16, generator=gen) for _ in layers]
+    kept: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        outs = stacked_linear(layers, x, keep_stack)
+    params = [layers[0].weight, layers[2].weight, *(layer.bias for layer in layers)]
+    got = torch.autograd.grad(outs, [x, *params], grads)
+    want = torch.autograd.grad([layer(x) for layer in layers], [x, *params], grads)
+    for a, b in zip(got, want, strict=True):
+        assert_rounding_close(a, b, reduction=32, depth=2)
+    weights = {layer.weight.data_ptr() for layer in layers}
+    stacked = [t for t in kept if t.numel() == 3 * 16 * 32]  # the stack or its transposed view
+    assert bool(stacked) == keep_stack
+    assert {t.data_ptr() for t in kept if t.numel() == 16 * 32} == (set() if keep_stack else weights)
 
 
 def _step(model: nn.Module, args: dict) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], int]:
@@ -106,3 +134,35 @@ def test_lora_layers_uncast_weights_and_inference_keep_their_own_products() -> N
     # last single block's k/v (2 -> 1, forward and input gradient)
     assert counts[False][0] - counts[True][0] == (3 - 1) + 2 * (2 - 1)
     assert counts[False][1:] == counts[True][1:]
+
+
+@pytest.mark.slow
+def test_half_precision_weights_stack_without_a_kept_copy_compiled_too() -> None:
+    """A bf16 model (as FSDP2's bf16 gathers give the blocks): its projections stack through
+    :class:`StackedLinear` with three products fewer per fused layer, the separate products' results within
+    bf16 rounding, and compiled blocks (``aot_eager``) give the eager ones' gradients with one graph per block
+    kind."""
+    from torch._dynamo.utils import counters
+
+    args, results = inputs(), {}
+    args = {k: v if k == "sample" or not v.is_floating_point() else v.bfloat16() for k, v in args.items()}
+    args["sample"] = [[clip.bfloat16() for clip in column] for column in args["sample"]]
+    for name, kernels, compiled in (("plain", PLAIN, False), ("fused", FUSED, False), ("compiled", FUSED, True)):
+        model = build("flux").bfloat16().train()
+        torch._dynamo.reset()
+        counters.clear()
+        paths = FastPaths(kernels, compile=compiled, compile_backend="aot_eager", independent_sizes=True)
+        apply_fast_paths(model, paths)
+        with _Products() as products:
+            outs = model(**clone_args(args))
+            sum(o.float().square().mean() for o in outs).backward()
+        results[name] = (outs, {n: p.grad for n, p in model.named_parameters()}, products.count)
+    assert counters["stats"]["unique_graphs"] == 3
+    torch._dynamo.reset()
+    layers, products = LAYERS["flux"]
+    assert results["plain"][2] - results["fused"][2] == 3 * (layers - products)
+    for name in ("fused", "compiled"):
+        for i, (a, b) in enumerate(zip(results["plain"][0], results[name][0], strict=True)):
+            _close(b, a, f"{name} output {i}")
+        for param, grad in results["plain"][1].items():
+            _close(results[name][1][param], grad, f"{name} {param}")

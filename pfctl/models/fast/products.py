@@ -23,9 +23,9 @@ included, takes the PyTorch ops.
 In training, each attention module projects one input to q, k and v with three linear layers: three
 products forward (each with its weight's cast under autocast) and, backward, three products for the input's
 gradient, summed, and three for the weights'. :func:`stacked_linear` makes them one product of the stacked
-weights each way (``fused_projections``, :class:`FusedProjections`, where autocast casts the weights at each
-call); the parameters and their state-dict keys stay the three layers'. Each output element is the same dot
-product, summed in the product's own order.
+weights each way (``fused_projections``, :class:`FusedProjections`: training in half precision); the
+parameters and their state-dict keys stay the three layers'. Each output element is the same dot product,
+summed in the product's own order.
 """
 
 from __future__ import annotations
@@ -100,39 +100,84 @@ class FusedSingleBlockProducts:
         return concat_linear(self.proj_out, [attn, mlp])
 
 
-def stacked_linear(linears: Sequence[nn.Module], x: Tensor) -> list[Tensor] | None:
+def stacked_linear(linears: Sequence[nn.Module], x: Tensor, keep_stack: bool = True) -> list[Tensor] | None:
     """``[linear(x) for linear in linears]`` as one product of ``x`` with the linears' weights (and biases)
     stacked, split after: one product forward; backward, one for ``x``'s gradient (summed over the three in
-    the product) and one for the stacked weights'. None where it does not apply: fewer than two layers, or one
-    that is not a plain ``nn.Linear`` (a LoRA layer), or biases on some and not others."""
+    the product) and one for the stacked weights'. With ``keep_stack=False`` the backward keeps the weights
+    themselves and stacks them again (:class:`StackedLinear`), where autograd would keep the stack. None where
+    it does not apply: fewer than two layers, or one that is not a plain ``nn.Linear`` (a LoRA layer), or
+    biases on some and not others."""
     has_bias = {linear.bias is not None for linear in linears if type(linear) is nn.Linear}
     if len(linears) < 2 or not all(type(linear) is nn.Linear for linear in linears) or len(has_bias) != 1:
         return None
-    weight = torch.cat([linear.weight for linear in linears])
-    bias = torch.cat([linear.bias for linear in linears]) if has_bias == {True} else None
-    return list(F.linear(x, weight, bias).split([linear.out_features for linear in linears], dim=-1))
+    sizes = [linear.out_features for linear in linears]
+    weights = [linear.weight for linear in linears]
+    biases = [linear.bias for linear in linears] if has_bias == {True} else []
+    if keep_stack:
+        out = F.linear(x, torch.cat(weights), torch.cat(biases) if biases else None)
+    else:
+        out = StackedLinear.apply(x, len(weights), *weights, *biases)
+    return list(out.split(sizes, dim=-1))
+
+
+class StackedLinear(torch.autograd.Function):
+    """``linear(x, cat(weights), cat(biases))`` whose backward keeps the weights, not their stack: for weights
+    kept anyway (FSDP2's gathered ones, a half-precision model's own), so no stacked copy lives from the forward
+    to the backward. All tensors in one dtype."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, count: int, *params: Tensor) -> Tensor:
+        weights, biases = params[:count], params[count:]
+        ctx.count, ctx.biased = count, len(biases) > 0
+        ctx.save_for_backward(x, *weights)
+        return F.linear(x, torch.cat(weights), torch.cat(biases) if ctx.biased else None)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, *weights = ctx.saved_tensors
+        sizes = [w.shape[0] for w in weights]
+        grad_x = grad @ torch.cat(weights) if ctx.needs_input_grad[0] else None
+        rows = grad.reshape(-1, grad.shape[-1])
+        wanted = ctx.needs_input_grad[2:]
+        grad_weights: list[Tensor | None] = [None] * ctx.count
+        if any(wanted[: ctx.count]):
+            grad_weights = list((rows.t() @ x.reshape(-1, x.shape[-1])).split(sizes))
+        grad_biases: list[Tensor | None] = [None] * (ctx.count if ctx.biased else 0)
+        if ctx.biased and any(wanted[ctx.count :]):
+            grad_biases = list(rows.sum(0).split(sizes))
+        params = [g if need else None for g, need in zip([*grad_weights, *grad_biases], wanted, strict=True)]
+        return grad_x, None, *params
 
 
 class FusedProjections:
     """Mixin of the attention modules: the projections of one input as one product (:func:`stacked_linear`)
-    when training under autocast with weights it casts at each call (the trainer's fp32 weights in bf16
-    autocast). The stacked weights' cast is what the backward keeps, as it keeps the three casts otherwise;
-    weights used as they are (fp32 training, a bf16 base, FSDP's bf16 gathers) would be kept a second time,
-    stacked, so those keep the three products. So does inference: its outputs are contiguous, as the fused
-    q/k norm + RoPE kernel (:mod:`.qk_norm_rope`) needs, where the stacked product's split gives strided
-    views."""
+    when training in half precision: fp32 weights under autocast (the trainer on one GPU), whose stacked cast
+    the backward keeps as it keeps the three casts otherwise, or weights already in autocast's dtype (FSDP2's
+    bf16 gathers, a bf16 model), through :class:`StackedLinear`, which keeps the weights themselves. fp32
+    training without autocast keeps the three products, and so does inference: its outputs are contiguous, as
+    the fused q/k norm + RoPE kernel (:mod:`.qk_norm_rope`) needs, where the stacked product's split gives
+    strided views."""
 
     def project(self, x: Tensor, linears: Sequence[nn.Module]) -> list[Tensor]:
-        if _cast_each_call(x, linears) and (outs := stacked_linear(linears, x)) is not None:
-            return outs
+        how = _stacking(x, linears)
+        if how is not None:
+            keep_stack, dtype = how
+            if (outs := stacked_linear(linears, x.to(dtype), keep_stack)) is not None:  # the cast autocast makes
+                return outs
         return super().project(x, linears)
 
 
-def _cast_each_call(x: Tensor, linears: Sequence[nn.Module]) -> bool:
-    """Training under autocast, the first layer's weight in another dtype than autocast's."""
-    device = x.device.type
-    if not (torch.is_grad_enabled() and torch.is_autocast_enabled(device)):
-        return False
+def _stacking(x: Tensor, linears: Sequence[nn.Module]) -> tuple[bool, torch.dtype] | None:
+    """How :class:`FusedProjections` stacks: ``(keep_stack, dtype of x)``. ``keep_stack`` where autocast
+    casts the weights (the backward keeps the stacked cast); otherwise, weights in half precision, through
+    :class:`StackedLinear`, ``x`` in their dtype. None: no gradients, or fp32 weights without autocast."""
     weight = getattr(linears[0], "weight", None)
-    return isinstance(weight, Tensor) and weight.dtype != torch.get_autocast_dtype(device)
-
+    if not (torch.is_grad_enabled() and isinstance(weight, Tensor)):
+        return None
+    device = x.device.type
+    autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    if autocast is not None and weight.dtype != autocast:
+        return True, x.dtype
+    if weight.dtype in (torch.bfloat16, torch.float16) and weight.dtype in (x.dtype, autocast):
+        return False, weight.dtype
+    return None
