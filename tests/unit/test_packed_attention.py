@@ -230,7 +230,8 @@ def test_inductor_flex_blocks_train_like_eager_sdpa_blocks_on_cuda() -> None:
     outputs and gradients within fp32 rounding, over two steps of other token counts."""
     from pfctl.models.fast import FastPaths, apply_fast_paths
 
-    eager, fast = build("flux").cuda().train(), build("flux").cuda().train()
+    head_16 = {"attention_head_dim": 16, "axes_dims_rope": [4, 6, 6]}  # Inductor's FlexAttention: 16 or more
+    eager, fast = (build("flux", **head_16).cuda().train() for _ in range(2))
     eager.set_attention_backend("efficient")
     fast.set_attention_backend("flex")
     torch._dynamo.reset()
