@@ -102,10 +102,14 @@ def packed_columns(
     text_len, batch, device = text_valid.shape[1], text_valid.shape[0] // num_columns, text_valid.device
     texts = [(k, slice(0, text_len)) for k in range(num_columns)]
     images = [(k, slice(text_len, None)) for k in range(num_columns)]
-    joint_pieces = [piece for pair in zip(texts, images, strict=True) for piece in pair]
+    pieces = {"streams": texts + images, "joint": [piece for pair in zip(texts, images, strict=True) for piece in pair]}
+    rules: dict[str, tuple[Callable[..., torch.Tensor], int]] = {}  # the tails' keys are the joint order's
     masks = dict.fromkeys(ORDERS)
     for order in orders:
-        rule, total = _packed_rule(tokens, texts + images if order == "streams" else joint_pieces, temporal_causal)
+        keys = "streams" if order == "streams" else "joint"
+        if keys not in rules:
+            rules[keys] = _packed_rule(tokens, pieces[keys], temporal_causal)
+        rule, total = rules[keys]
         if order != "tails":
             masks[order] = _block_mask(rule, batch, total, total, device)
             continue
