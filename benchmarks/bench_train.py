@@ -352,6 +352,9 @@ def run_steps(
             out.graphs.append(graphs.take() if counting else collections.Counter())
             if setting.progress:
                 events = describe(out.graphs[-1])
+                if getattr(trainer, "step_graphs", None) is not None:
+                    steps = trainer.step_graphs
+                    events = f"step graphs: {steps.recorded} recorded, {steps.replays} replays"
                 print(f"bench step {i + 1}: {out.step[-1]:.3f} s" + (f" ({events})" if events else ""), flush=True)
     return out
 
@@ -504,8 +507,13 @@ def profile_step(trainer: Any, cuda: bool) -> dict:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
         from kernel_profile import gpu_busy_seconds
 
-        busy_s = gpu_busy_seconds(prof.events())
-        print(f"profiled step: {wall_s:.3f} s, the GPU busy {busy_s:.3f} s of it ({busy_s / wall_s:.0%})")
+        events = prof.events()
+        busy_s = gpu_busy_seconds(events)
+        kernels = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in events)
+        print(
+            f"profiled step: {wall_s:.3f} s, the GPU busy {busy_s:.3f} s of it ({busy_s / wall_s:.0%}), "
+            f"{kernels} GPU kernels and copies"
+        )
     return metrics
 
 

@@ -221,8 +221,14 @@ class TrainConfig(Section):
     the matmuls, forward and backward. ``auto`` (default): on CUDA, off on the CPU (where the blocks run
     eagerly). The first steps pay the compilation (the log reports the warm-up); weights and checkpoint keys
     are unchanged. ``false`` is the one switch back to the eager reference path (CUDA graphs need it)."""
-    cuda_graphs: bool | Literal["auto"] = "auto"
-    """With compiled blocks: each block's forward and backward is also recorded as a CUDA graph, once per
+    cuda_graphs: bool | Literal["auto", "step"] = "auto"
+    """``step``: each distinct input's whole forward and backward (embedders, every block, the loss) is recorded
+    as one CUDA graph right after its first, eager run, and replayed from then on: the host copies the batch
+    into the graph's buffers and launches it, and the step takes what the GPU needs
+    (:mod:`pfctl.training.step_graphs`). It works with compiled or eager blocks and with activation
+    checkpointing; it needs CUDA and one process (the backward of several holds collectives), and refuses
+    host offload. On the CPU it is ignored, with a note. The gradients accumulate into tensors of their own.
+    ``true``: with compiled blocks, each block's forward and backward is also recorded as a CUDA graph, once per
     token count, and replayed (``torch.compile`` mode ``reduce-overhead``), so the host no longer sets the
     step's pace. ``auto`` (default): off. On the H200 with torch 2.11 most steps of the 384p recipe recorded
     their graphs again (failed checks of the graph trees) and ran no faster than the reference's step, while
@@ -359,6 +365,13 @@ def check_train_constraints(train: TrainConfig, world_size: int) -> SyncGroupPla
             f"train.lora.enabled=true with train.fsdp={train.fsdp}: LoRA runs are not sharded in this version",
             hint="use train.fsdp=none (several GPUs still work: data parallel), or full fine-tuning with FSDP",
         )
+    if train.cuda_graphs == "step" and (world_size > 1 or train.fsdp_cpu_offload):
+        why = f"{world_size} processes" if world_size > 1 else "train.fsdp_cpu_offload=true"
+        raise ConfigError(
+            f"train.cuda_graphs=step does not work with {why}: the graph of a step is recorded in one process, "
+            "with its weights and gradients on the GPU",
+            hint="launch one process, or set train.cuda_graphs=auto / true / false",
+        )
     if train.cuda_graphs is True:
         clash = [
             f"{key} ({why})"
@@ -400,7 +413,7 @@ class TrainSpeed:
     """The speed settings a run resolves its ``auto`` options to (:func:`resolve_train_speed`)."""
 
     compile: bool
-    cuda_graphs: bool
+    cuda_graphs: bool | str  # True: the compiled blocks' graphs; "step": the whole step's (False: none)
     attention: str
     fsdp: str
     notes: tuple[str, ...] = ()
@@ -409,8 +422,8 @@ class TrainSpeed:
 
     def describe(self) -> str:
         """One log line: what runs, and why where an ``auto`` decided."""
-        graphs = " + CUDA graphs" if self.cuda_graphs else ""
-        head = f"compiled blocks{graphs}" if self.compile else "eager blocks"
+        graphs = {True: " + CUDA graphs", "step": ", CUDA graphs of the whole step"}.get(self.cuda_graphs, "")
+        head = ("compiled blocks" if self.compile else "eager blocks") + graphs
         parts = [
             head,
             f"checkpointing {self.checkpointing}",
@@ -451,12 +464,15 @@ def resolve_train_speed(
     if cuda and train.compile == "auto" and no_compiler is not None:
         notes.append(f"eager blocks: torch.compile cannot generate code here ({no_compiler})")
     graphs = compiled and train.cuda_graphs is True
+    step_graphs = cuda and train.cuda_graphs == "step"
+    if train.cuda_graphs == "step" and not cuda:
+        notes.append("train.cuda_graphs=step needs CUDA: eager steps")
     attention = train.attention
     if attention == "flex" and not cuda:
         attention = "efficient"
         notes.append("train.attention=flex needs CUDA (no FlexAttention backward on the CPU): efficient")
     if attention == "auto":  # cuDNN's kernel costs the host more a call: only where the host keeps up
-        attention = "cudnn" if compiled and (graphs or train.skip_future_keys) else "efficient"
+        attention = "cudnn" if compiled and (graphs or step_graphs or train.skip_future_keys) else "efficient"
     checkpointing = "none"
     if train.gradient_checkpointing:
         checkpointing = f"{train.gradient_checkpointing_ratio:g} {train.gradient_checkpointing_policy}"
@@ -467,7 +483,8 @@ def resolve_train_speed(
             merge = merge_too_big is None
             if not merge:
                 notes.append(f"micro-batches one by one: {merge_too_big}")
-    return TrainSpeed(compiled, graphs, attention, fsdp, tuple(notes), checkpointing, merge)
+    settled_graphs = "step" if step_graphs else graphs
+    return TrainSpeed(compiled, settled_graphs, attention, fsdp, tuple(notes), checkpointing, merge)
 
 
 def check_trackers(trackers: list[str]) -> None:

@@ -20,6 +20,7 @@ Randomness, by owner (what makes a resumed run bit-identical and a sync group co
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import shutil
@@ -79,9 +80,10 @@ from pfctl.training.plan import (
     merge_too_big,
     token_count_sets,
 )
+from pfctl.training.step_graphs import StepGraphs
 from pfctl.training.summary import write_summary
 from pfctl.training.trackers import flat_config, log_validation, start_trackers
-from pfctl.training.warmup import CompileCacheSite, WarmupWatch
+from pfctl.training.warmup import WarmupWatch, watch_warmup
 from pfctl.training.weights import trained_weights
 from pfctl.utils.io import atomic_write_text
 
@@ -123,6 +125,7 @@ class Trainer:
         self.warmup: WarmupWatch | None = None  # compiled blocks: the warm-up in the log
         self.collector: Collector | None = None  # garbage collection at step boundaries (train.gc_every)
         self.saver: ckpt.BackgroundSaver | None = None  # checkpoints written in the background
+        self.step_graphs: StepGraphs | None = None  # train.cuda_graphs=step: the step's CUDA graphs
 
     # ------------------------------------------------------------------------------------------
     # the loop
@@ -254,7 +257,7 @@ class Trainer:
         Returns the summed ``[loss, loss per stage..., tokens, samples]`` (on the device), whether this rank's
         loss was non-finite (read only when the step's numbers are not finite, to name this rank's clips: no
         wait otherwise), and the clip ids of the step."""
-        cfg, acc, device = self.cfg, self.runtime.accelerator, self.runtime.device
+        cfg, device = self.cfg, self.runtime.device
         stats = torch.zeros(len(self.stages) + 3, dtype=torch.float64, device=device)
         local_bad = torch.zeros((), dtype=torch.bool, device=device)
         step_ids = []  # for the message when the loss is not finite
@@ -276,14 +279,12 @@ class Trainer:
                 drawn.append((batch, inputs))
                 continue
             with contextlib.nullcontext() if last else self.no_sync():
-                loss, per_stage = self.loss(inputs, TextRows.of(batch))
-                acc.backward(loss / cfg.grad_accum)
+                loss, per_stage = self.forward_backward(inputs, TextRows.of(batch), cfg.grad_accum)
             local_bad |= self.tally(stats, loss, per_stage, cfg.grad_accum)
         if merged:
             batches, parts = zip(*drawn, strict=True)
             text = merged_text_rows(list(batches), columns=len(parts[0].sample))
-            loss, per_stage = self.loss(merge_pyramid_batches(parts), text)
-            acc.backward(loss)
+            loss, per_stage = self.forward_backward(merge_pyramid_batches(parts), text, 1)
             local_bad |= self.tally(stats, loss, per_stage, 1)
         return stats, local_bad, step_ids
 
@@ -299,6 +300,25 @@ class Trainer:
         if faults.poisoned("train_nan", rank=self.runtime.rank, step=self.step + 1):  # test hook
             batch.latents = torch.full_like(batch.latents, float("nan"))
         return batch
+
+    def forward_backward(
+        self, inputs: PyramidBatch, text: TextRows, parts: int
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """:meth:`loss_and_backward`, under ``train.cuda_graphs=step`` through the step's CUDA graphs
+        (:mod:`pfctl.training.step_graphs`), keyed by the text's valid lengths only where row groups read them."""
+        if self.step_graphs is None:
+            return self.loss_and_backward(inputs, text, parts)
+        if not self.unwrapped.row_groups_active:
+            text = dataclasses.replace(text, text_lengths=None)
+        return self.step_graphs(self.loss_and_backward, inputs, text, parts)
+
+    def loss_and_backward(
+        self, inputs: PyramidBatch, text: TextRows, parts: int
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """:meth:`loss` (one of ``parts`` equal parts of the step), its backward; the losses, detached."""
+        loss, per_stage = self.loss(inputs, text)
+        self.runtime.accelerator.backward(loss / parts if parts > 1 else loss)
+        return loss.detach(), {stage: value.detach() for stage, value in per_stage.items()}
 
     def tally(
         self, stats: torch.Tensor, loss: torch.Tensor, per_stage: dict[int, torch.Tensor], parts: int
@@ -348,20 +368,15 @@ class Trainer:
         with warnings.catch_warnings():  # a skipped update still advances the schedule (by design)
             warnings.simplefilter("ignore", UserWarning)
             self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=not self.graphed)
+        self.optimizer.zero_grad(set_to_none=not self.keeps_gradients)
         self.step += 1
         if self.ema is not None and self.ema.should_update(self.step):
             self.ema.update(self.trained_state())
 
     def off_the_training_graphs(self) -> contextlib.AbstractContextManager:
-        """Under ``train.cuda_graphs``, the held-out loss and validation samples run the DiT blocks eagerly:
-        every shape those occasional calls bring would otherwise be recorded as CUDA graphs that keep their
-        memory for the rest of the run."""
-        return (
-            torch.compiler.set_stance("force_eager")
-            if self.cfg.cuda_graphs is True
-            else contextlib.nullcontext()
-        )
+        """Under ``train.cuda_graphs=true``, the held-out loss and validation samples run the blocks eagerly: the
+        shapes of those occasional calls would otherwise be recorded as graphs that keep their memory."""
+        return torch.compiler.set_stance("force_eager") if self.cfg.cuda_graphs is True else contextlib.nullcontext()
 
     def noised(self, batch: TrainBatch) -> tuple[PyramidBatch, dict[str, Any]]:
         """Pyramid inputs for this rank's units of this micro-step, and the assignment record.
@@ -559,20 +574,25 @@ class Trainer:
         """The DiT blocks run as CUDA graphs (:meth:`resolve_speed`)."""
         return self.cfg.cuda_graphs is True and self.runtime.device.type == "cuda"
 
+    @property
+    def keeps_gradients(self) -> bool:
+        """The gradients are made once and zeroed in place (CUDA graphs add into the same memory each replay)."""
+        return self.graphed or self.cfg.cuda_graphs == "step"  # (settled: CUDA only)
+
     def setup_optimizer(self) -> None:
         """Optimizer + LR schedule, created on the sharded / prepared model's parameters (FSDP needs that).
 
-        With CUDA graphs the gradients live in tensors of their own from the start, zeroed rather than freed
-        after each update: a block's backward graph writes its weight gradients into the graphs' memory pool,
-        which the next micro-batch's forward reuses, so a first gradient kept as ``.grad`` (what autograd does
-        when there is none yet) would be overwritten before the accumulation of the next micro-batch reads
-        it. Accumulating into existing tensors copies each out at once."""
+        With CUDA graphs the gradients are tensors of their own from the start, zeroed rather than freed after
+        each update: the blocks' graphs would leave a first ``.grad`` in their pool, which the next forward
+        reuses; the step's graphs add into the tensors they were recorded with."""
         self.optimizer = self.runtime.accelerator.prepare(build_optimizer(self.model, self.cfg))
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.cfg)
-        if self.graphed:
-            for p in self.model.parameters():
-                if p.requires_grad:
-                    p.grad = torch.zeros_like(p)
+        if self.keeps_gradients:
+            trained = [p for p in self.model.parameters() if p.requires_grad]
+            for p in trained:
+                p.grad = torch.zeros_like(p)
+            if self.cfg.cuda_graphs == "step":
+                self.step_graphs = StepGraphs(self.runtime.device, trained)
 
     def setup_state(self) -> None:
         """EMA (fp32 shadow), the pyramid scheduler, the per-rank noise generator, the checkpoint writer; the
@@ -601,20 +621,11 @@ class Trainer:
             start_trackers(rt.accelerator, cfg, self.out, flat_config(cfg), resume_step)
 
     def setup_warmup(self) -> None:
-        """With compiled blocks: the warm-up's inputs announced, and its end logged (:class:`WarmupWatch`); the
-        compiler's artifacts of an earlier run on this output directory loaded (``train.compile_cache``)."""
-        if self.cfg.compile is not True:  # (settled: CUDA only)
-            return
-        expected = token_count_sets(self.cfg, self.runtime.rank, self.training_clips())
+        """With compiled blocks or the step's CUDA graphs: the warm-up's inputs announced, and its end logged
+        (:func:`pfctl.training.warmup.watch_warmup`)."""
         rt = self.runtime
-        cache = CompileCacheSite(self.out, rt.device, writes=rt.is_main) if self.cfg.compile_cache else None
-        recordings = None
-        if self.graphed:
-            from pfctl.models.fast.graph_trees import recordings_begun
-
-            recordings = functools.partial(recordings_begun, rt.device.index or 0)
-        self.warmup = WarmupWatch(expected, need=2 if self.graphed else 1, cache=cache, recordings=recordings)
-        self.warmup.start()
+        expected = functools.partial(token_count_sets, self.cfg, rt.rank, self.training_clips())
+        self.warmup = watch_warmup(self.cfg, expected, self.out, rt.device, rt.is_main, self.step_graphs)
 
     def resume(self) -> Path | None:
         """Restore optimizer, LR schedule, EMA, counters, data position and RNGs (weights: in setup)."""

@@ -3,14 +3,19 @@ next run on the same output directory (``train.compile_cache``, :mod:`pfctl.mode
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pfctl.runtime import logging as pflog
+
+if TYPE_CHECKING:
+    from pfctl.config.train import TrainConfig
+    from pfctl.training.step_graphs import StepGraphs
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,10 @@ class WarmupWatch:
     (:func:`pfctl.models.fast.graph_trees.recordings_begun`, None where unknown). Once the warm-up is over every
     input has been recorded, so a step that begins recordings again is one whose recordings failed the trees'
     checks: slower than the compiled blocks without graphs. The first such step is named in a warning, with the
-    switch that turns the graphs off."""
+    switch that turns the graphs off.
+
+    ``what``: how each input is met, for the log (default: compiled, or with ``need`` 2 compiled and recorded);
+    ``summary``: a clause added to the line that ends the warm-up (the step's CUDA graphs recorded)."""
 
     def __init__(
         self,
@@ -60,8 +68,11 @@ class WarmupWatch:
         need: int,
         cache: CompileCacheSite | None = None,
         recordings: Callable[[], int | None] | None = None,
+        what: str | None = None,
+        summary: Callable[[], str] | None = None,
     ) -> None:
         self.expected, self.need, self.cache = expected, need, cache
+        self.what, self.summary = what, summary
         self.seen: dict[tuple[Any, ...], int] = {}
         self.started: float | None = None
         self.done = not expected
@@ -71,7 +82,7 @@ class WarmupWatch:
     def start(self) -> None:
         """Before the first step: the inputs to come in the log, the cache's artifacts loaded."""
         counts = sorted({sum(tokens) for tokens in self.expected.values()})
-        what = "compiled and recorded as CUDA graphs" if self.need > 1 else "compiled"
+        what = self.what or ("compiled and recorded as CUDA graphs" if self.need > 1 else "compiled")
         pflog.log(
             f"warm-up: {len(self.expected)} distinct inputs per rank, each {what} once "
             f"(image tokens per micro-batch: {', '.join(map(str, counts))})"
@@ -96,7 +107,8 @@ class WarmupWatch:
             return
         if all(self.seen.get(key, 0) >= self.need for key in self.expected):
             self.done = True
-            pflog.log(f"warm-up over at step {step}: {now - self.started:.1f} s from the first step")
+            extra = f"; {self.summary()}" if self.summary is not None else ""
+            pflog.log(f"warm-up over at step {step}: {now - self.started:.1f} s from the first step{extra}")
             if self.cache is not None:
                 self.cache.save(step)
             self._recorded = self.recordings() if self.recordings is not None else None
@@ -113,3 +125,34 @@ class WarmupWatch:
                 "without graphs; --set train.cuda_graphs=false turns the graphs off"
             )
             self._recorded = None
+
+
+def watch_warmup(
+    cfg: TrainConfig,
+    expected: Callable[[], dict[tuple[Any, ...], tuple[int, ...]]],
+    out: Path,
+    device: torch.device,
+    is_main: bool,
+    step_graphs: StepGraphs | None,
+) -> WarmupWatch | None:
+    """The run's :class:`WarmupWatch`, started, where there is a warm-up to watch (``cfg`` settled): compiled
+    blocks (the compile cache of ``out`` loaded, written by the main process), their CUDA graphs, or the
+    step's (``step_graphs``). ``expected``: the distinct inputs of this rank
+    (:func:`pfctl.training.plan.token_count_sets`), asked for only then."""
+    compiled, graphed = cfg.compile is True, cfg.compile is True and cfg.cuda_graphs is True
+    if not compiled and step_graphs is None:
+        return None
+    cache = CompileCacheSite(out, device, writes=is_main) if compiled and cfg.compile_cache else None
+    recordings, what, summary = None, None, None
+    if graphed:
+        from pfctl.models.fast.graph_trees import recordings_begun
+
+        recordings = functools.partial(recordings_begun, device.index or 0)
+    if step_graphs is not None:
+        what = ("compiled, then " if compiled else "") + "recorded in the step's CUDA graphs"
+        summary = step_graphs.summary
+    watch = WarmupWatch(
+        expected(), need=2 if graphed else 1, cache=cache, recordings=recordings, what=what, summary=summary
+    )
+    watch.start()
+    return watch

@@ -16,6 +16,7 @@ call: a video's ~50 stage shapes each paid one); a capture that fails falls back
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,13 +30,17 @@ __all__ = ["StageGraph", "flatten_tensors", "signature", "unflatten_tensors"]
 
 
 def flatten_tensors(obj: Any) -> tuple[list[torch.Tensor], Any]:
-    """Tensors of a nest of dicts, lists and tuples in a fixed order, plus the structure to rebuild it."""
+    """Tensors of a nest of dicts, lists, tuples and dataclass instances in a fixed order, plus the structure
+    to rebuild it."""
     leaves: list[torch.Tensor] = []
 
     def walk(node: Any) -> Any:
         if isinstance(node, torch.Tensor):
             leaves.append(node)
             return ("tensor", len(leaves) - 1)
+        if dataclasses.is_dataclass(node) and not isinstance(node, type):
+            fields = [(f.name, walk(getattr(node, f.name))) for f in dataclasses.fields(node) if f.init]
+            return ("dataclass", (type(node), fields))
         if isinstance(node, dict):
             return ("dict", [(key, walk(value)) for key, value in node.items()])
         if isinstance(node, (list, tuple)):
@@ -50,6 +55,9 @@ def unflatten_tensors(spec: Any, leaves: list[torch.Tensor]) -> Any:
     kind, payload = spec
     if kind == "tensor":
         return leaves[payload]
+    if kind == "dataclass":
+        cls, fields = payload
+        return cls(**{name: unflatten_tensors(value, leaves) for name, value in fields})
     if kind == "dict":
         return {key: unflatten_tensors(value, leaves) for key, value in payload}
     if kind in ("list", "tuple"):

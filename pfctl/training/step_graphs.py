@@ -1,0 +1,140 @@
+"""A training step's forward and backward replayed as one CUDA graph per distinct input (``train.cuda_graphs:
+step``).
+
+A forward of the pyramid DiT meets a small, known set of inputs per rank (the trainer's log lists them: one
+per clip bucket and unit position). For each, the whole of what a micro-step (or a step of merged
+micro-batches) launches, the embedders, every block forward and backward (compiled or not, checkpointed or
+not) and the loss, is recorded once as a CUDA graph; from then on that input costs the host a copy of the
+batch into the graph's input buffers and one launch, and the step takes what the GPU needs.
+
+How an input is met:
+
+1. the first time it runs eagerly, as without graphs: compiled blocks compile for it, the libraries plan
+   their kernels, and the step gets its loss and gradients;
+2. right after, its forward and backward are recorded on a side stream (nothing runs: the recording only
+   notes the launches), over input buffers of its own, into one memory pool every graph shares (the graphs
+   never run at the same time, and their intermediates are dead when each ends);
+3. every later time, the batch is copied into those buffers and the graph replayed.
+
+What a recording relies on: the gradients exist before it and are zeroed in place (the backward adds into
+the same tensors every replay: the trainer keeps them), the work depends on nothing but the tensors it is
+given and the weights (no host synchronisation, no randomness, no collective), and its outputs are read
+before the next replay overwrites them (the trainer adds them to the step's totals at once, on the same
+stream). A recording that fails (an operation that cannot be recorded) is reported once, and every input
+runs eagerly from then on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pfctl.models.fast.cuda_graph import flatten_tensors, signature, unflatten_tensors
+
+__all__ = ["StepGraphs"]
+
+
+@dataclass
+class _Recorded:
+    """One input's graph: the buffers it reads and the outputs it writes."""
+
+    replay: Callable[[], None]
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+    out_spec: Any
+
+
+class StepGraphs:
+    """Runs ``work(*args)`` (a forward and its backward, returning detached tensors) eagerly at each new input
+    signature (tensor shapes, dtypes and devices, and every non-tensor argument), records it right after, and
+    replays the recording at that signature from then on.
+
+    ``parameters``: those the work computes gradients for. The recorded backward adds into the gradient
+    tensors they hold when the first graph is recorded; a replay checks that they still hold those (a
+    gradient set to None and made anew would leave the graphs adding into freed memory).
+
+    Counts for the log: ``recorded`` graphs, ``replays``, ``recording_s`` (host seconds spent recording);
+    ``failure``: why recording stopped (every call eager since), or None."""
+
+    def __init__(self, device: torch.device, parameters: list[torch.nn.Parameter]) -> None:
+        self.device, self.parameters = device, parameters
+        self.replays = 0
+        self.recording_s = 0.0
+        self.failure: str | None = None
+        self._graphs: dict[tuple, _Recorded] = {}
+        self._grads: list[torch.Tensor | None] = []  # what the recordings add into
+        self._pool: Any = None
+        self._stream: torch.cuda.Stream | None = None
+
+    @property
+    def recorded(self) -> int:
+        return len(self._graphs)
+
+    def __call__(self, work: Callable[..., Any], *args: Any) -> Any:
+        leaves, spec = flatten_tensors(args)
+        key = signature(leaves, spec)
+        entry = self._graphs.get(key)
+        if entry is not None:
+            if any(p.grad is not g for p, g in zip(self.parameters, self._grads, strict=True)):
+                raise RuntimeError(
+                    "the step's CUDA graphs add into gradient tensors that were replaced since they were "
+                    "recorded: zero the gradients in place (optimizer.zero_grad(set_to_none=False))"
+                )
+            torch._foreach_copy_(entry.inputs, leaves)
+            entry.replay()
+            self.replays += 1
+            return unflatten_tensors(entry.out_spec, entry.outputs)
+        out = work(*args)
+        if self.failure is None:
+            tic = time.perf_counter()
+            self._record(key, work, leaves, spec)
+            self.recording_s += time.perf_counter() - tic
+        return out
+
+    def summary(self) -> str:
+        """One clause for the log: graphs recorded and the host time it took, or why recording stopped."""
+        if self.failure is not None:
+            return f"CUDA graphs of the step: recording failed ({self.failure}); eager steps"
+        return f"CUDA graphs of the step: {self.recorded} recorded in {self.recording_s:.1f} s"
+
+    def _record(self, key: tuple, work: Callable[..., Any], leaves: list[torch.Tensor], spec: Any) -> None:
+        """Record ``work`` over copies of ``leaves`` (:meth:`capture`); a failure stops recording for good."""
+        inputs = [t.detach().clone() for t in leaves]
+        try:
+            replay, out = self.capture(lambda: work(*unflatten_tensors(spec, inputs)))
+        except RuntimeError as err:  # an operation that cannot be recorded: eager from now on
+            first_line = str(err).splitlines()[0] if str(err) else ""
+            self.failure = f"{type(err).__name__}: {first_line}"
+            self._graphs.clear()
+            return
+        outputs, out_spec = flatten_tensors(out)
+        if not self._graphs:
+            self._grads = [p.grad for p in self.parameters]
+        self._graphs[key] = _Recorded(replay, inputs, outputs, out_spec)
+
+    def capture(self, work: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
+        """Record ``work()`` as a CUDA graph on the side stream, in the shared pool: the graph's replay and the
+        outputs it writes. PyTorch's ``torch.cuda.graph`` would also synchronise the device and empty the
+        allocator's cache first; the side stream waits for the work queued before it instead, and the cache
+        stays for the eager steps around. Other threads (the batch feed's) may use the GPU meanwhile: the
+        recording checks this thread's calls only."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(self.device)
+        current = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(current)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(self._stream):
+                graph.capture_begin(self._pool, capture_error_mode="thread_local")
+                try:
+                    out = work()
+                finally:
+                    graph.capture_end()
+        finally:
+            current.wait_stream(self._stream)
+        return graph.replay, out

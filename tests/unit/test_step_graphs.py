@@ -1,0 +1,217 @@
+"""``train.cuda_graphs=step``: each distinct input's forward and backward recorded once and replayed
+(:mod:`pfctl.training.step_graphs`). On the CPU a recording is played by :func:`replaying_capture`, which does
+what a CUDA graph does to the tensors: the recording changes nothing, and a replay runs the same work again on
+the recording's input buffers, writing its outputs where the recording's are. The real recording runs in the
+CUDA test at the end."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from helpers.tiny_models import tiny_train_config
+from helpers.tolerance import assert_rounding_close
+from pfctl import api
+from pfctl.config.train import TrainSpeed, check_train_constraints, resolve_train_speed
+from pfctl.data.dataset import write_synthetic_cache
+from pfctl.errors import ConfigError
+from pfctl.models.fast.cuda_graph import flatten_tensors
+from pfctl.training.step_graphs import StepGraphs
+
+
+def replaying_capture(self: StepGraphs, work: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
+    """:meth:`StepGraphs.capture` on the CPU: the work runs once to make its outputs, and the gradients it
+    added are taken back (a recording runs nothing); a replay runs it again and copies its outputs into
+    those."""
+    saved = [p.grad.clone() for p in self.parameters]
+    out = work()
+    for p, grad in zip(self.parameters, saved, strict=True):
+        p.grad.copy_(grad)
+    outputs, _ = flatten_tensors(out)
+
+    def replay() -> None:
+        fresh, _ = flatten_tensors(work())
+        for static, value in zip(outputs, fresh, strict=True):
+            static.copy_(value)
+
+    return replay, out
+
+
+def _model_and_work() -> tuple[torch.nn.Module, Callable[..., Any]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+
+    def work(batch: dict[str, torch.Tensor], scale: float) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        loss = ((model(batch["x"]) - batch["y"]) ** 2).mean()
+        (loss * scale).backward()
+        return loss.detach(), {0: loss.detach() * 2}
+
+    return model, work
+
+
+def test_each_signature_runs_eagerly_once_is_recorded_then_replayed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first call of a signature runs the work eagerly (its gradients added once); later calls of that
+    signature replay the recording over their own inputs, as many times as called; a new shape or a new
+    non-tensor argument is another signature. The outputs and the gradients match the plain calls'."""
+    monkeypatch.setattr(StepGraphs, "capture", replaying_capture)
+    model, work = _model_and_work()
+    plain, plain_work = _model_and_work()
+    graphs = StepGraphs(torch.device("cpu"), list(model.parameters()))
+    gen = torch.Generator().manual_seed(1)
+    calls = [(4, 0.5), (4, 0.5), (3, 0.5), (4, 0.5), (4, 1.0), (3, 0.5)]
+    for rows, scale in calls:
+        batch = {"x": torch.randn(rows, 6, generator=gen), "y": torch.randn(rows, 1, generator=gen)}
+        loss, per_stage = graphs(work, batch, scale)
+        expected, expected_stage = plain_work(batch, scale)
+        assert_rounding_close(loss, expected, reduction=6 * 5)
+        assert_rounding_close(per_stage[0], expected_stage[0], reduction=6 * 5)
+    assert (graphs.recorded, graphs.replays, graphs.failure) == (3, 3, None)
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        assert_rounding_close(p.grad, q.grad, reduction=6 * 5, depth=len(calls))
+    assert graphs.summary().startswith("CUDA graphs of the step: 3 recorded in ")
+
+
+def test_a_recording_that_fails_leaves_every_call_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An operation that cannot be recorded: the failure is kept for the log, the graphs are dropped, and
+    every call runs the work itself from then on (its gradients added once per call)."""
+
+    def failing(self: StepGraphs, work: Callable[[], Any]) -> Any:
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    monkeypatch.setattr(StepGraphs, "capture", failing)
+    model, work = _model_and_work()
+    graphs = StepGraphs(torch.device("cpu"), list(model.parameters()))
+    batch = {"x": torch.ones(2, 6), "y": torch.zeros(2, 1)}
+    for _ in range(3):
+        graphs(work, batch, 1.0)
+    assert (graphs.recorded, graphs.replays) == (0, 0)
+    assert graphs.summary() == (
+        "CUDA graphs of the step: recording failed (RuntimeError: operation not permitted when stream is "
+        "capturing); eager steps"
+    )
+    three = model[0].weight.grad.clone()
+    graphs(work, batch, 1.0)  # a fourth eager call adds the same gradient once more
+    assert_rounding_close(model[0].weight.grad, three * 4 / 3, reduction=4)
+
+
+def test_a_replay_refuses_gradients_made_anew(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recordings add into the gradient tensors the parameters held when recorded: gradients set to None
+    (and made anew by an eager backward) stop the next replay with an error naming the remedy."""
+    monkeypatch.setattr(StepGraphs, "capture", replaying_capture)
+    model, work = _model_and_work()
+    graphs = StepGraphs(torch.device("cpu"), list(model.parameters()))
+    batch = {"x": torch.ones(2, 6), "y": torch.zeros(2, 1)}
+    graphs(work, batch, 1.0)
+    graphs(work, batch, 1.0)
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match="set_to_none=False"):
+        graphs(work, batch, 1.0)
+
+
+def test_step_graphs_settle_on_cuda_only_and_need_one_process() -> None:
+    """``step`` on CUDA settles to the step's graphs, with cuDNN attention for compiled blocks (its host
+    cost is recorded away) and merged micro-batches; on the CPU it is ignored with a note; several
+    processes or host offload are refused before any work, naming the key."""
+    from pfctl.config.train import TrainConfig
+
+    train = TrainConfig(cuda_graphs="step", grad_accum=2, video_sync_group=1)
+    speed = resolve_train_speed(train, "cuda", 1)
+    assert (speed.cuda_graphs, speed.attention, speed.merge_micro_batches) == ("step", "cudnn", True)
+    assert "CUDA graphs of the whole step" in speed.describe()
+    eager = resolve_train_speed(train.model_copy(update={"compile": False}), "cuda", 1)
+    assert (eager.cuda_graphs, eager.attention) == ("step", "efficient")
+    cpu = resolve_train_speed(train, "cpu", 1)
+    assert cpu.cuda_graphs is False and "train.cuda_graphs=step needs CUDA" in cpu.describe()
+    with pytest.raises(ConfigError, match=r"train\.cuda_graphs=step does not work with 2 processes"):
+        check_train_constraints(train.model_copy(update={"video_sync_group": 2}), 2)
+    offload = train.model_copy(update={"fsdp": "full_shard", "fsdp_cpu_offload": True})
+    with pytest.raises(ConfigError, match=r"train\.fsdp_cpu_offload=true"):
+        check_train_constraints(offload, 1)
+
+
+def _one_bucket_cache(tmp_path: Path) -> Path:
+    cache = tmp_path / "cache"
+    write_synthetic_cache(str(cache), [4] * 8, seed=0)
+    return cache
+
+
+def _losses(out: Path) -> list[float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_the_trainer_with_step_graphs_trains_like_without(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, merged: bool
+) -> None:
+    """The trainer settled to ``cuda_graphs=step`` (on the CPU, by hand), two micro-batches a step, one by one
+    or merged: its four unit positions each run eagerly once, then replay; the losses and the weights follow
+    the run without graphs within fp32 rounding, and the log names the recordings at the warm-up's end."""
+    from pfctl.training import trainer
+
+    monkeypatch.setattr(StepGraphs, "capture", replaying_capture)
+    cache = _one_bucket_cache(tmp_path)
+    runs = {}
+    for name in ("plain", "graphs"):
+        graphs = "step" if name == "graphs" else False
+        monkeypatch.setattr(
+            trainer,
+            "resolve_train_speed",
+            lambda train, *_, g=graphs: TrainSpeed(False, g, "efficient", train.fsdp, merge_micro_batches=merged),
+        )
+        cfg = tiny_train_config(cache, tmp_path / name, lr=2e-3, max_steps=6, grad_accum=2, export=False)
+        api.train(cfg)
+        runs[name] = _losses(tmp_path / name)
+        settled = yaml.safe_load((tmp_path / name / "config.yaml").read_text())["train"]
+        assert settled["cuda_graphs"] == graphs
+    out = capsys.readouterr().out
+    assert len(runs["graphs"]) == 6
+    # tiny DiT: widths of 32, a few blocks deep; six optimizer steps compound the rounding
+    assert_rounding_close(runs["graphs"], runs["plain"], reduction=64, depth=6 * 8)
+    assert "recorded in the step's CUDA graphs" in out
+    recorded = 2 if merged else 4  # merged: the positions pair up, two micro-steps a step
+    assert f"CUDA graphs of the step: {recorded} recorded in " in out
+    from safetensors.torch import load_file
+
+    final = {name: tmp_path / name / "checkpoints" / "step-000006" / "model" for name in runs}
+    plain = load_file(str(final["plain"] / "diffusion_pytorch_model.safetensors"))
+    graphed = load_file(str(final["graphs"] / "diffusion_pytorch_model.safetensors"))
+    for key, value in plain.items():
+        assert_rounding_close(graphed[key], value, reduction=64, depth=6 * 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_step_graphs_on_cuda_train_like_the_eager_path(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Recorded for real: eager blocks and compiled blocks (cuDNN attention), each with the step's CUDA
+    graphs, two micro-batches merged, bf16 autocast; every unit position recorded once and replayed, and the
+    losses follow the eager path without graphs within the rounding of bf16 autocast."""
+    cache = _one_bucket_cache(tmp_path)
+    common = {"lr": 2e-3, "max_steps": 6, "grad_accum": 2, "export": False}
+    settings = {
+        "eager": {"compile": False, "cuda_graphs": False},
+        "eager-step": {"compile": False, "cuda_graphs": "step"},
+        "compiled-step": {"compile": True, "cuda_graphs": "step"},
+    }
+    runs = {}
+    for name, switch in settings.items():
+        cfg = tiny_train_config(cache, tmp_path / name, **common, **switch)
+        cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"device": "cuda"})})
+        api.train(cfg)
+        runs[name] = _losses(tmp_path / name)
+        out = capsys.readouterr().out
+        if name != "eager":  # four unit positions, two merged micro-steps a step: two graphs
+            assert "CUDA graphs of the step: 2 recorded" in out, out[-2000:]
+    for name in ("eager-step", "compiled-step"):
+        assert len(runs[name]) == 6
+        # bf16 rounds each product's inputs to 8 bits (2^-8 relative); the paths fuse differently
+        assert runs[name] == pytest.approx(runs["eager"], rel=2e-2), name
