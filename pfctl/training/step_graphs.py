@@ -27,6 +27,7 @@ runs eagerly from then on.
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 
 from pfctl.models.fast.cuda_graph import flatten_tensors, signature, unflatten_tensors
+from pfctl.runtime import logging as pflog
 
 __all__ = ["StepGraphs"]
 
@@ -110,6 +112,7 @@ class StepGraphs:
             first_line = str(err).splitlines()[0] if str(err) else ""
             self.failure = f"{type(err).__name__}: {first_line}"
             self._graphs.clear()
+            pflog.warn(f"CUDA graphs of the step: recording failed{_where(err)} ({self.failure}); eager steps")
             return
         outputs, out_spec = flatten_tensors(out)
         if not self._graphs:
@@ -138,3 +141,11 @@ class StepGraphs:
         finally:
             current.wait_stream(self._stream)
         return graph.replay, out
+
+
+def _where(err: BaseException) -> str:
+    """`` at FILE:LINE`` of the last of pfctl's own frames an error passed through (where the work did what
+    cannot be recorded), or nothing."""
+    frames = traceback.extract_tb(err.__traceback__)
+    ours = [f for f in frames if "/pfctl/" in f.filename and not f.filename.endswith("step_graphs.py")]
+    return f" at pfctl/{ours[-1].filename.rsplit('/pfctl/', 1)[-1]}:{ours[-1].lineno}" if ours else ""

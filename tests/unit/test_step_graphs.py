@@ -79,9 +79,11 @@ def test_each_signature_runs_eagerly_once_is_recorded_then_replayed(monkeypatch:
     assert graphs.summary().startswith("CUDA graphs of the step: 3 recorded in ")
 
 
-def test_a_recording_that_fails_leaves_every_call_eager(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An operation that cannot be recorded: the failure is kept for the log, the graphs are dropped, and
-    every call runs the work itself from then on (its gradients added once per call)."""
+def test_a_recording_that_fails_leaves_every_call_eager(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """An operation that cannot be recorded: a warning at once, the failure kept for the log, the graphs
+    dropped, and every call runs the work itself from then on (its gradients added once per call)."""
 
     def failing(self: StepGraphs, work: Callable[[], Any]) -> Any:
         raise RuntimeError("operation not permitted when stream is capturing\nmore")
@@ -93,6 +95,8 @@ def test_a_recording_that_fails_leaves_every_call_eager(monkeypatch: pytest.Monk
     for _ in range(3):
         graphs(work, batch, 1.0)
     assert (graphs.recorded, graphs.replays) == (0, 0)
+    warned = capsys.readouterr()
+    assert (warned.out + warned.err).count("CUDA graphs of the step: recording failed") == 1
     assert graphs.summary() == (
         "CUDA graphs of the step: recording failed (RuntimeError: operation not permitted when stream is "
         "capturing); eager steps"
