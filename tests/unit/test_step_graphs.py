@@ -219,3 +219,26 @@ def test_step_graphs_on_cuda_train_like_the_eager_path(tmp_path: Path, capsys: p
         assert len(runs[name]) == 6
         # bf16 rounds each product's inputs to 8 bits (2^-8 relative); the paths fuse differently
         assert runs[name] == pytest.approx(runs["eager"], rel=2e-2), name
+
+
+def test_the_memory_estimate_keeps_the_gradients_and_the_graphs_pool(tmp_path: Path) -> None:
+    """On a GPU, CUDA graphs keep the gradients from the first step (no credit for gradients filling the
+    memory saved tensors free), and the step's graphs hold a recorded step's saved tensors in their pool
+    while the warm-up runs new inputs eagerly: the estimate counts them once more."""
+    from pfctl.training.data import cache_clips, open_cache
+    from pfctl.training.plan import estimate_for_run
+
+    cache_dir = _one_bucket_cache(tmp_path)
+    cache = open_cache(str(cache_dir))
+
+    def estimate(graphs: object) -> Any:
+        config = tiny_train_config(cache_dir, tmp_path / "run", cuda_graphs=graphs)
+        config = config.model_copy(update={"runtime": config.runtime.model_copy(update={"device": "cuda"})})
+        return estimate_for_run(config, cache, cache_clips(cache))
+
+    plain, blocks, step = estimate(False), estimate(True), estimate("step")
+    saved = sum(b for name, b, _ in plain.rows if name.startswith(("activations", "attention", "autocast")))
+    assert plain.get("backward overlap") < 0 and saved > 0
+    assert blocks.total == plain.total - plain.get("backward overlap")
+    assert step.get("step graphs' pool") == saved
+    assert step.total == blocks.total + saved
