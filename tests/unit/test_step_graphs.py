@@ -200,7 +200,7 @@ def test_step_graphs_on_cuda_train_like_the_eager_path(tmp_path: Path, capsys: p
     graphs, two micro-batches merged, bf16 autocast; every unit position recorded once and replayed, and the
     losses follow the eager path without graphs within the rounding of bf16 autocast."""
     cache = _one_bucket_cache(tmp_path)
-    common = {"lr": 2e-3, "max_steps": 6, "grad_accum": 2, "export": False}
+    common = {"lr": 2e-3, "max_steps": 6, "grad_accum": 2, "merge_micro_batches": True, "export": False}
     settings = {
         "eager": {"compile": False, "cuda_graphs": False},
         "eager-step": {"compile": False, "cuda_graphs": "step"},
