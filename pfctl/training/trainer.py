@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import shutil
 import time
@@ -624,8 +623,10 @@ class Trainer:
         """With compiled blocks or the step's CUDA graphs: the warm-up's inputs announced, and its end logged
         (:func:`pfctl.training.warmup.watch_warmup`)."""
         rt = self.runtime
-        expected = functools.partial(token_count_sets, self.cfg, rt.rank, self.training_clips())
-        self.warmup = watch_warmup(self.cfg, expected, self.out, rt.device, rt.is_main, self.step_graphs)
+        self.warmup = watch_warmup(
+            self.cfg, lambda: token_count_sets(self.cfg, rt.rank, self.training_clips()), self.out, rt.device,
+            rt.is_main, self.step_graphs,
+        )  # fmt: skip
 
     def resume(self) -> Path | None:
         """Restore optimizer, LR schedule, EMA, counters, data position and RNGs (weights: in setup)."""
