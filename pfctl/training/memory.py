@@ -156,11 +156,14 @@ def estimate_memory(
     checkpointing_ratio: float = 0.75,
     checkpointing_policy: str = "full",
     grad_accum: int = 1,
+    cuda_graphs: bool | str = False,
 ) -> MemoryEstimate:
     """The estimate for ``model`` (real or on the meta device; without adapters injected) training on
     ``workload``. ``lora_targets``: full names of the adapted Linears (None = full fine-tuning);
     ``checkpointing_policy`` ``selective``: the checkpointed blocks keep their attention results;
-    ``selective_narrow``: also the outputs of their narrowing products."""
+    ``selective_narrow``: also the outputs of their narrowing products. ``cuda_graphs`` (``True``: the
+    blocks', ``"step"``: the whole step's): the gradients exist from the start; the step's graphs also hold
+    a recorded step's saved tensors in their pool while the warm-up runs new inputs eagerly."""
     from pfctl.models.dit_layers import num_checkpointed
 
     a = 2 if compute_dtype in ("bf16", "fp16") else FP32
@@ -196,10 +199,13 @@ def estimate_memory(
         )
 
     # -- backward: gradients are allocated as the saved tensors are released -----------------------
-    if grad_accum == 1:  # (with accumulation the previous micro-batches' gradients are already there)
-        saved = sum(b for n, b, _ in est.rows if n.startswith(("activations", "attention", "autocast")))
+    saved = sum(b for n, b, _ in est.rows if n.startswith(("activations", "attention", "autocast")))
+    # (with accumulation, or under CUDA graphs, the gradients are already there)
+    if grad_accum == 1 and cuda_graphs is False:
         overlap = min(saved, est.get("gradients"))
         est.rows.append(("backward overlap", -overlap, "gradients fill memory the saved tensors free"))
+    if cuda_graphs == "step":
+        est.rows.append(("step graphs' pool", saved, "a recorded step's saved tensors, beside an eager one"))
     return est
 
 

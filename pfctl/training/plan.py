@@ -373,9 +373,8 @@ def estimate_for_run(config: Any, cache: Any, clips: list[ClipInfo], *, merged: 
         gradient_checkpointing=train.gradient_checkpointing, checkpointing_ratio=train.gradient_checkpointing_ratio,
         checkpointing_policy=train.gradient_checkpointing_policy,
         grad_accum=train.grad_accum // forwards,
+        cuda_graphs=train.cuda_graphs if device == "cuda" and train.cuda_graphs != "auto" else False,
     )  # fmt: skip
-    if device == "cuda" and train.cuda_graphs in (True, "step"):
-        _kept_gradients(estimate, step_graphs=train.cuda_graphs == "step")
     what = f"{forwards} micro-batches merged, " if merged else ""
     estimate.notes.append(
         f"worst-case forward: {what}bucket {frames}x{height}x{width} latents, "
@@ -384,15 +383,6 @@ def estimate_for_run(config: Any, cache: Any, clips: list[ClipInfo], *, merged: 
         + ("" if runtime.device != "auto" else " (runtime.device auto: assumed a GPU)")
     )
     return estimate
-
-
-def _kept_gradients(estimate: Any, step_graphs: bool) -> None:
-    """CUDA graphs keep the gradients from the start (no backward overlap); the step's graphs also hold a
-    recorded step's saved tensors in their pool while the warm-up runs new inputs eagerly."""
-    estimate.rows = [row for row in estimate.rows if row[0] != "backward overlap"]
-    if step_graphs:
-        saved = sum(b for n, b, _ in estimate.rows if n.startswith(("activations", "attention", "autocast")))
-        estimate.rows.append(("step graphs' pool", saved, "a recorded step's saved tensors, beside an eager one"))
 
 
 def dit_patch(model: Any) -> int:
