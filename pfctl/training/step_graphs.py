@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from pfctl.models.fast.cuda_graph import flatten_tensors, signature, unflatten_tensors
+from pfctl.models.fast.cuda_graph import flatten_tensors, record_graph, signature, unflatten_tensors
 from pfctl.runtime import logging as pflog
 
 __all__ = ["StepGraphs"]
@@ -120,26 +120,15 @@ class StepGraphs:
         self._graphs[key] = _Recorded(replay, inputs, outputs, out_spec)
 
     def capture(self, work: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
-        """Record ``work()`` as a CUDA graph on the side stream, in the shared pool: the graph's replay and the
-        outputs it writes. PyTorch's ``torch.cuda.graph`` would also synchronise the device and empty the
-        allocator's cache first; the side stream waits for the work queued before it instead, and the cache
-        stays for the eager steps around. Other threads (the batch feed's) may use the GPU meanwhile: the
-        recording checks this thread's calls only."""
+        """Record ``work()`` as a CUDA graph on the side stream, in the shared pool
+        (:func:`pfctl.models.fast.cuda_graph.record_graph`): the graph's replay and the outputs it writes. The
+        batch feed's thread may use the GPU meanwhile: the recording checks this thread's calls only."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(self.device)
-        current = torch.cuda.current_stream(self.device)
-        self._stream.wait_stream(current)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
         graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.stream(self._stream):
-                graph.capture_begin(self._pool, capture_error_mode="thread_local")
-                try:
-                    out = work()
-                finally:
-                    graph.capture_end()
-        finally:
-            current.wait_stream(self._stream)
+        out = record_graph(graph, self._stream, self._pool, work, capture_error_mode="thread_local")
         return graph.replay, out
 
 

@@ -26,7 +26,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StageGraph", "flatten_tensors", "signature", "unflatten_tensors"]
+__all__ = ["StageGraph", "flatten_tensors", "record_graph", "signature", "unflatten_tensors"]
 
 
 def flatten_tensors(obj: Any) -> tuple[list[torch.Tensor], Any]:
@@ -64,6 +64,27 @@ def unflatten_tensors(spec: Any, leaves: list[torch.Tensor]) -> Any:
         items = [unflatten_tensors(v, leaves) for v in payload]
         return items if kind == "list" else tuple(items)
     return payload
+
+
+def record_graph(
+    graph: torch.cuda.CUDAGraph,
+    stream: torch.cuda.Stream,
+    pool: Any,
+    work: Callable[[], Any],
+    capture_error_mode: str = "global",
+) -> Any:
+    """Capture ``work()`` into ``graph`` on ``stream`` (made to wait for the work queued before it), in the
+    memory ``pool`` (None: a pool of its own); returns what ``work`` returned, the tensors the graph writes.
+    Unlike ``torch.cuda.graph``, without synchronizing the device and emptying the allocator's cache first:
+    the cached memory stays for the eager work around the graphs (a video captures ~50 shapes, a training
+    run one per distinct input). ``capture_error_mode="thread_local"`` lets other threads use the GPU
+    meanwhile."""
+    with torch.cuda.stream(stream):
+        graph.capture_begin(*(() if pool is None else (pool,)), capture_error_mode=capture_error_mode)
+        try:
+            return work()
+        finally:
+            graph.capture_end()
 
 
 def signature(leaves: list[torch.Tensor], spec: Any) -> tuple:
@@ -155,18 +176,6 @@ class StageGraph:
         torch.cuda.current_stream().wait_stream(self._stream)
         return result
 
-    def _record(self, graph: torch.cuda.CUDAGraph, device: torch.device, work: Callable[[], Any]) -> Any:
-        """Capture ``work`` into ``graph`` on the side stream, in this object's memory pool. Unlike
-        ``torch.cuda.graph``, without synchronizing the device and emptying the allocator's cache first:
-        the side stream waits for the work queued before it instead, and the cached memory stays for the
-        eager work around the graphs (a video captures ~50 shapes, each paid both)."""
-        with torch.cuda.stream(self._side_stream(device)):
-            graph.capture_begin(*(() if self._pool is None else (self._pool,)))
-            try:
-                return work()
-            finally:
-                graph.capture_end()
-
     def _warmed(self, device: torch.device) -> bool:
         """Whether a graph was captured on this object's side stream on ``device``: the lazy set-up a first
         call does (library handles, workspaces) is then done, and a new signature needs no eager warm-up."""
@@ -182,7 +191,10 @@ class StageGraph:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
-            out = self._record(graph, entry.device, lambda: self.fn(**unflatten_tensors(spec, entry.inputs)))
+            out = record_graph(
+                graph, self._side_stream(entry.device), self._pool,
+                lambda: self.fn(**unflatten_tensors(spec, entry.inputs)),
+            )  # fmt: skip
         except RuntimeError as err:  # an op that cannot be captured: run eagerly from now on
             if fallback:
                 logger.info("CUDA graph capture without a warm-up failed (%s); warming up first", err)
