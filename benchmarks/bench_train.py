@@ -352,7 +352,7 @@ def run_steps(
             out.graphs.append(graphs.take() if counting else collections.Counter())
             if setting.progress:
                 events = describe(out.graphs[-1])
-                if getattr(trainer, "step_graphs", None) is not None:
+                if trainer.step_graphs is not None:
                     steps = trainer.step_graphs
                     events = f"step graphs: {steps.recorded} recorded, {steps.replays} replays"
                 print(f"bench step {i + 1}: {out.step[-1]:.3f} s" + (f" ({events})" if events else ""), flush=True)
