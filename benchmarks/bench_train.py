@@ -328,6 +328,7 @@ class Timings:
     syncs: int | None = None
     metrics: dict = field(default_factory=dict)
     graphs: list[collections.Counter] = field(default_factory=list)  # CUDA-graph trees' calls by outcome
+    step_graphs: list[tuple[int, int]] = field(default_factory=list)  # train.cuda_graphs=step: (calls, replays)
 
 
 def run_steps(
@@ -350,10 +351,12 @@ def run_steps(
             out.gc.append(pauses.seconds - seconds)
             out.gc_full.append(pauses.full - full)
             out.graphs.append(graphs.take() if counting else collections.Counter())
+            steps = trainer.step_graphs
+            if steps is not None:
+                out.step_graphs.append((steps.calls, steps.replays))
             if setting.progress:
                 events = describe(out.graphs[-1])
-                if trainer.step_graphs is not None:
-                    steps = trainer.step_graphs
+                if steps is not None:
                     events = f"step graphs: {steps.recorded} recorded, {steps.replays} replays"
                 print(f"bench step {i + 1}: {out.step[-1]:.3f} s" + (f" ({events})" if events else ""), flush=True)
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,14 +131,28 @@ def report_rows(run: Measured, config: Any, setting: Setting, args: argparse.Nam
 
 def graph_row(t: Timings, warmup: int) -> str:
     """The graph trees' calls in the timed steps by outcome (this process; every one a replay when all is well),
-    and the steps in which any call was not."""
+    and the steps in which any call was not; under ``train.cuda_graphs=step``, the step graphs' calls and
+    replays."""
     from graph_events import describe
 
+    if t.step_graphs:
+        return step_graph_row(t.step_graphs, warmup)
     total = sum(t.graphs[warmup:], collections.Counter())
     if not total:
         return "none (no CUDA graphs)"
     off = [i + 1 for i in range(warmup, len(t.graphs)) if t.graphs[i]["replayed"] != t.graphs[i]["calls"]]
     return describe(total) + (f"; steps with calls not replayed: {' '.join(map(str, off))}" if off else "")
+
+
+def step_graph_row(counts: list[tuple[int, int]], warmup: int) -> str:
+    """The step graphs' calls in the timed steps and how many were replays (``counts``: the running totals
+    after each step), and the steps that ran any call eagerly."""
+    before = counts[warmup - 1] if warmup else (0, 0)
+    calls, replays = (counts[-1][k] - before[k] for k in (0, 1))
+    totals = [before, *counts[warmup:]]
+    eager = [warmup + i + 1 for i, (a, b) in enumerate(itertools.pairwise(totals)) if b[0] - a[0] != b[1] - a[1]]
+    line = f"the whole step: {calls} calls, {replays} replayed"
+    return line + (f"; steps with eager calls: {' '.join(map(str, eager))}" if eager else "")
 
 
 def gc_row(t: Timings, warmup: int) -> str:

@@ -59,12 +59,12 @@ class StepGraphs:
     tensors they hold when the first graph is recorded; a replay checks that they still hold those (a
     gradient set to None and made anew would leave the graphs adding into freed memory).
 
-    Counts for the log: ``recorded`` graphs, ``replays``, ``recording_s`` (host seconds spent recording);
+    Counts for the log: ``calls``, ``recorded`` graphs, ``replays``, ``recording_s`` (host seconds spent recording);
     ``failure``: why recording stopped (every call eager since), or None."""
 
     def __init__(self, device: torch.device, parameters: list[torch.nn.Parameter]) -> None:
         self.device, self.parameters = device, parameters
-        self.replays = 0
+        self.calls = self.replays = 0
         self.recording_s = 0.0
         self.failure: str | None = None
         self._graphs: dict[tuple, _Recorded] = {}
@@ -77,6 +77,7 @@ class StepGraphs:
         return len(self._graphs)
 
     def __call__(self, work: Callable[..., Any], *args: Any) -> Any:
+        self.calls += 1
         leaves, spec = flatten_tensors(args)
         key = signature(leaves, spec)
         entry = self._graphs.get(key)

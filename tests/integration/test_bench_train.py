@@ -155,6 +155,9 @@ def test_graph_events_count_each_call_by_where_it_ends_and_put_the_methods_back(
         "6 calls: 4 replayed, 2 recorded, 0 warm-up runs, 0 without a graph; 2 of new sizes; "
         "failed checks: CudagraphManagedIdxMismatch 2; steps with calls not replayed: 2 3"
     )
+    # the step graphs' running (calls, replays): warm-up step 1 records, step 3 meets a new input
+    steps = bench.Timings(step_graphs=[(2, 0), (4, 2), (6, 3), (8, 5)])
+    assert _bench("train_report").graph_row(steps, 1) == "the whole step: 6 calls, 5 replayed; steps with eager calls: 3"
 
 
 def test_a_failed_check_names_what_it_found_moved_or_alive(monkeypatch: pytest.MonkeyPatch) -> None:
