@@ -152,13 +152,14 @@ def _losses(out: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
-@pytest.mark.parametrize("merged", [False, True])
+@pytest.mark.parametrize(("merged", "lora"), [(False, False), (True, False), (False, True)])
 def test_the_trainer_with_step_graphs_trains_like_without(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, merged: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, merged: bool, lora: bool
 ) -> None:
     """The trainer settled to ``cuda_graphs=step`` (on the CPU, by hand), two micro-batches a step, one by one
-    or merged: its four unit positions each run eagerly once, then replay; the losses and the weights follow
-    the run without graphs within fp32 rounding, and the log names the recordings at the warm-up's end."""
+    or merged, full fine-tuning or LoRA (the graphs add into the adapters' gradients only): its four unit
+    positions each run eagerly once, then replay; the losses and the weights follow the run without graphs
+    within fp32 rounding, and the log names the recordings at the warm-up's end."""
     from pfctl.training import trainer
 
     monkeypatch.setattr(StepGraphs, "capture", replaying_capture)
@@ -171,7 +172,8 @@ def test_the_trainer_with_step_graphs_trains_like_without(
             "resolve_train_speed",
             lambda train, *_, g=graphs: TrainSpeed(False, g, "efficient", train.fsdp, merge_micro_batches=merged),
         )
-        cfg = tiny_train_config(cache, tmp_path / name, lr=2e-3, max_steps=6, grad_accum=2, export=False)
+        adapters = {"lora.enabled": True, "lora.rank": 4} if lora else {}
+        cfg = tiny_train_config(cache, tmp_path / name, lr=2e-3, max_steps=6, grad_accum=2, export=False, **adapters)
         api.train(cfg)
         runs[name] = _losses(tmp_path / name)
         settled = yaml.safe_load((tmp_path / name / "config.yaml").read_text())["train"]
@@ -186,8 +188,10 @@ def test_the_trainer_with_step_graphs_trains_like_without(
     from safetensors.torch import load_file
 
     final = {name: tmp_path / name / "checkpoints" / "step-000006" / "model" for name in runs}
-    plain = load_file(str(final["plain"] / "diffusion_pytorch_model.safetensors"))
-    graphed = load_file(str(final["graphs"] / "diffusion_pytorch_model.safetensors"))
+    (weights,) = {f.name for f in final["plain"].glob("*.safetensors")}
+    plain = load_file(str(final["plain"] / weights))
+    graphed = load_file(str(final["graphs"] / weights))
+    assert plain.keys() == graphed.keys() and (lora == all("lora" in key for key in plain))
     for key, value in plain.items():
         assert_rounding_close(graphed[key], value, reduction=64, depth=6 * 8)
 
