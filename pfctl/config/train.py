@@ -228,16 +228,18 @@ class TrainConfig(Section):
     (:mod:`pfctl.training.step_graphs`). It works with compiled or eager blocks and with activation
     checkpointing; it needs CUDA and one process (the backward of several holds collectives), and refuses
     host offload. On the CPU it is ignored, with a note. The gradients accumulate into tensors of their own.
-    ``true``: with compiled blocks, each block's forward and backward is also recorded as a CUDA graph, once per
-    token count, and replayed (``torch.compile`` mode ``reduce-overhead``), so the host no longer sets the
-    step's pace. ``auto`` (default): off. On the H200 with torch 2.11 most steps of the 384p recipe recorded
-    their graphs again (failed checks of the graph trees) and ran no faster than the reference's step, while
-    the compiled blocks without graphs ran 2-2.7x faster (``benchmarks/RESULTS.md``, sessions 33-36); ``true``
-    turns them on. With gradient accumulation the gradients accumulate into tensors of their own (the graphs'
-    memory is reused by the next micro-batch). Every distinct token count is recorded once, so the warm-up
-    grows with the number of inputs a rank builds (the log lists them); a step after the warm-up that records
-    graphs again is named in a warning. Held-out losses and validation samples run the blocks eagerly.
-    ``true`` refuses gradient checkpointing and FSDP over several processes."""
+    ``auto`` (default): ``step`` with compiled blocks on one CUDA process without host offload or activation
+    checkpointing (on an H100 the 384p recipe's step ran 3.0x the reference's step, ``benchmarks/RESULTS.md``,
+    session 43); off otherwise (several processes, checkpointing, ``train.compile=false``, the CPU).
+    ``true``: with compiled blocks, each block's forward and backward is recorded as a CUDA graph instead, once
+    per token count, and replayed (``torch.compile`` mode ``reduce-overhead``); on the H200 with torch 2.11 most
+    steps of the 384p recipe recorded those graphs again (failed checks of the graph trees) and ran no faster
+    than the reference's step (sessions 33-36). With gradient accumulation the gradients accumulate into
+    tensors of their own (the graphs' memory is reused by the next micro-batch). Every distinct token count is
+    recorded once, so the warm-up grows with the number of inputs a rank builds (the log lists them); a step
+    after the warm-up that records graphs again is named in a warning. Held-out losses and validation samples
+    run the blocks eagerly. ``true`` refuses gradient checkpointing and FSDP over several processes;
+    ``false``: no graphs."""
     merge_micro_batches: bool | Literal["auto"] = "auto"
     """Run a step's ``grad_accum`` micro-batches as one forward and one backward: their columns side by side in
     one DiT call. Each micro-batch is drawn and noised as before, and the loss is the mean over all their
@@ -442,11 +444,12 @@ def resolve_train_speed(
     no_compiler: str | None = None,
     merge_too_big: str | None = None,
 ) -> TrainSpeed:
-    """The ``auto`` speed options for this device and world size: compiled blocks on CUDA, without CUDA graphs
-    (``train.cuda_graphs``); cuDNN attention with compiled blocks recorded as graphs or attending in row groups
-    (their fixed set of shapes is planned once), the memory-efficient kernel otherwise; a step's micro-batches
-    merged into one forward where the blocks are compiled without graphs (the host sets the pace there) and
-    without activation checkpointing (a run that checkpoints puts memory first).
+    """The ``auto`` speed options for this device and world size: compiled blocks on CUDA, and the whole step
+    recorded as CUDA graphs where it can be (:func:`records_steps`: one process, no checkpointing); cuDNN
+    attention with compiled blocks under graphs or attending in row groups (their fixed set of shapes is
+    planned once, and the graphs take its host cost off the step), the memory-efficient kernel otherwise; a
+    step's micro-batches merged into one forward where the blocks are compiled without the blocks' own graphs
+    and without activation checkpointing (a run that checkpoints puts memory first).
     ``train.fsdp`` with one CUDA process (no host offload) shards nothing: skipped (no gathers around the
     blocks). ``no_compiler``: why ``torch.compile`` cannot generate code here (no Triton): ``auto`` then keeps
     the eager blocks. ``merge_too_big``: why the merged step would not fit this GPU's memory (the caller's
@@ -464,7 +467,9 @@ def resolve_train_speed(
     if cuda and train.compile == "auto" and no_compiler is not None:
         notes.append(f"eager blocks: torch.compile cannot generate code here ({no_compiler})")
     graphs = compiled and train.cuda_graphs is True
-    step_graphs = cuda and train.cuda_graphs == "step"
+    step_graphs = cuda and (
+        train.cuda_graphs == "step" or (train.cuda_graphs == "auto" and compiled and records_steps(train, world_size))
+    )
     if train.cuda_graphs == "step" and not cuda:
         notes.append("train.cuda_graphs=step needs CUDA: eager steps")
     attention = train.attention
@@ -485,6 +490,13 @@ def resolve_train_speed(
                 notes.append(f"micro-batches one by one: {merge_too_big}")
     settled_graphs = "step" if step_graphs else graphs
     return TrainSpeed(compiled, settled_graphs, attention, fsdp, tuple(notes), checkpointing, merge)
+
+
+def records_steps(train: TrainConfig, world_size: int) -> bool:
+    """Whether ``train.cuda_graphs=auto`` records the whole step as CUDA graphs (with compiled blocks on CUDA):
+    where a step can be recorded (one process, weights and gradients on the GPU) and the run does not put
+    memory first (no activation checkpointing)."""
+    return world_size == 1 and not train.fsdp_cpu_offload and not train.gradient_checkpointing
 
 
 def check_trackers(trackers: list[str]) -> None:

@@ -279,12 +279,14 @@ def dry_run(config: Any, *, world_size: int | None = None, steps: int | None = N
     notes.append(f"cache {cache.root}: {len(clips)} clips, fingerprint {cache.fingerprint}, format ok")
     merged_peak = None
     if resolve_train_speed(train, "cuda", world).merge_micro_batches:
-        merged_peak = estimate_for_run(config, cache, clips, merged=True).total
+        merged_peak = estimate_for_run(config, cache, clips, merged=True, world_size=world).total
     notes.append(speed_note(train, world, [c for c in clips if c.id not in heldout], merged_peak))
     if bad:
         notes.append(f"clips that fail to load (replaced in the run): {', '.join(bad)}")
     report.notes = notes
-    report.memory = estimate_for_run(config, cache, clips, merged=train.merge_micro_batches is True)
+    report.memory = estimate_for_run(
+        config, cache, clips, merged=train.merge_micro_batches is True, world_size=world
+    )
     return report
 
 
@@ -331,9 +333,12 @@ def merge_too_big(merged_peak: int, gpu_bytes: int) -> str | None:
     )
 
 
-def estimate_for_run(config: Any, cache: Any, clips: list[ClipInfo], *, merged: bool = False) -> Any:
-    """The memory estimate of the run's worst-case forward (largest bucket, all units); ``merged``: of the step
-    whose ``grad_accum`` micro-batches run as one forward (``train.merge_micro_batches``).
+def estimate_for_run(
+    config: Any, cache: Any, clips: list[ClipInfo], *, merged: bool = False, world_size: int = 1
+) -> Any:
+    """The memory estimate of the run's worst-case forward (largest bucket, all units) on one of ``world_size``
+    processes (whose CUDA graphs ``train.cuda_graphs=auto`` settles on); ``merged``: of the step whose
+    ``grad_accum`` micro-batches run as one forward (``train.merge_micro_batches``).
 
     Builds the DiT on the meta device (no weights), which also validates ``train.lora.targets``.
     """
@@ -373,7 +378,7 @@ def estimate_for_run(config: Any, cache: Any, clips: list[ClipInfo], *, merged: 
         gradient_checkpointing=train.gradient_checkpointing, checkpointing_ratio=train.gradient_checkpointing_ratio,
         checkpointing_policy=train.gradient_checkpointing_policy,
         grad_accum=train.grad_accum // forwards,
-        cuda_graphs=train.cuda_graphs if device == "cuda" and train.cuda_graphs != "auto" else False,
+        cuda_graphs=resolve_train_speed(train, device, world_size).cuda_graphs,
     )  # fmt: skip
     what = f"{forwards} micro-batches merged, " if merged else ""
     estimate.notes.append(

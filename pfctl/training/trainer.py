@@ -504,10 +504,10 @@ class Trainer:
     def merged_step_too_big(self) -> str | None:
         """Why this GPU cannot hold a step with merged micro-batches (its memory estimate over 90% of the GPU),
         or another rank's cannot: every rank decides alike, as their collectives per forward must match."""
-        peak = estimate_for_run(self.config, self.data.cache, self.training_clips(), merged=True).total
-        device = self.runtime.device
-        too_big = merge_too_big(peak, torch.cuda.get_device_properties(device).total_memory)
-        if self.runtime.world_size > 1:
+        device, world = self.runtime.device, self.runtime.world_size
+        peak = estimate_for_run(self.config, self.data.cache, self.training_clips(), merged=True, world_size=world)
+        too_big = merge_too_big(peak.total, torch.cuda.get_device_properties(device).total_memory)
+        if world > 1:
             flag = torch.tensor([int(too_big is not None)], device=device)
             if int(self.runtime.accelerator.reduce(flag, reduction="sum")) and too_big is None:
                 too_big = "another rank's GPU cannot hold the merged step"

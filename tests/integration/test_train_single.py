@@ -415,32 +415,35 @@ def test_compiled_runs_log_their_warm_up(
 def test_cuda_defaults_and_cuda_graphs_train_like_the_eager_path_with_accumulation(
     cache: Path, tmp_path: Path
 ) -> None:
-    """Two micro-batches per step on CUDA, bf16 autocast: the defaults (compiled blocks, the memory-efficient
-    attention kernel, no graphs, the micro-batches merged into one forward), the same with every column in one
-    FlexAttention call (``attention=flex``), and compiled blocks as CUDA graphs (cuDNN's kernel), where the
-    first micro-batch's gradients survive the second one's forward (which reuses the graphs' memory): the
-    losses follow the eager path's within the rounding of bf16 autocast."""
+    """Two micro-batches per step on CUDA, bf16 autocast: the defaults (compiled blocks, the whole step's CUDA
+    graphs, cuDNN's attention, the micro-batches merged into one forward), compiled blocks without graphs (the
+    memory-efficient kernel, merged), the same with every column in one FlexAttention call
+    (``attention=flex``), and compiled blocks as CUDA graphs (cuDNN's kernel), where the first micro-batch's
+    gradients survive the second one's forward (which reuses the graphs' memory): the losses follow the eager
+    path's within the rounding of bf16 autocast."""
     common = {"max_steps": 3, "grad_accum": 2, "export": False}
     runs = {}
     settings = {
         "eager": {"compile": False},
         "default": {},
-        "flex": {"attention": "flex"},
+        "blocks": {"cuda_graphs": False},
+        "flex": {"attention": "flex", "cuda_graphs": False},
         "graphs": {"cuda_graphs": True},
     }
-    attention = {"eager": "efficient", "default": "efficient", "flex": "flex", "graphs": "cudnn"}
+    graphs = {"default": "step", "graphs": True}
+    attention = {"eager": "efficient", "default": "cudnn", "blocks": "efficient", "flex": "flex", "graphs": "cudnn"}
     for name, switch in settings.items():
         cfg = config(cache, tmp_path / name, **common, **switch)
         cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"device": "cuda"})})
         api.train(cfg)
         runs[name] = [r["loss"] for r in metrics(tmp_path / name) if "loss" in r]
         settled = yaml.safe_load((tmp_path / name / "config.yaml").read_text())["train"]
-        assert settled["cuda_graphs"] is (name == "graphs") and settled["compile"] is (name != "eager")
+        assert settled["cuda_graphs"] == graphs.get(name, False) and settled["compile"] is (name != "eager")
         assert settled["attention"] == attention[name]
-        assert settled["merge_micro_batches"] is (name in ("default", "flex"))
+        assert settled["merge_micro_batches"] is (name in ("default", "blocks", "flex"))
     # (the defect the graphs' case guards against stopped the second micro-batch's backward with an error);
     # bf16 rounds each product's inputs to 8 bits (2^-8 relative) and the paths fuse differently
-    for name in ("default", "flex", "graphs"):
+    for name in ("default", "blocks", "flex", "graphs"):
         assert len(runs[name]) == 3
         assert runs[name] == pytest.approx(runs["eager"], rel=2e-2), name
 

@@ -130,16 +130,20 @@ def test_cuda_graphs_names_each_setting_it_cannot_work_with(overrides: list[str]
 
 
 # (overrides, device, world) -> (compile, cuda_graphs, attention, fsdp): the defaults are the compiled
-# blocks on CUDA, the eager ones on the CPU; CUDA graphs only when asked for; cuDNN's attention only with the
+# blocks on CUDA, the eager ones on the CPU; the whole step's CUDA graphs by default on one CUDA process
+# without checkpointing or host offload, the blocks' graphs only when asked for; cuDNN's attention only with
 # graphs or row groups (skip_future_keys), the memory-efficient kernel otherwise
 SPEED_CASES = [
-    ([], "cuda", 1, (True, False, "efficient", "none")),
+    ([], "cuda", 1, (True, "step", "cudnn", "none")),
+    ([], "cuda", 2, (True, False, "efficient", "none")),
     ([], "cpu", 2, (False, False, "efficient", "none")),
     (["train.compile=false"], "cuda", 1, (False, False, "efficient", "none")),
     (["train.gradient_checkpointing=true"], "cuda", 1, (True, False, "efficient", "none")),
     (["train.fsdp=shard_grad_op"], "cuda", 2, (True, False, "efficient", "shard_grad_op")),
-    (["train.fsdp=shard_grad_op"], "cuda", 1, (True, False, "efficient", "none")),  # one process: nothing to shard
-    (["train.grad_accum=2"], "cuda", 1, (True, False, "efficient", "none")),
+    (["train.fsdp=shard_grad_op"], "cuda", 1, (True, "step", "cudnn", "none")),  # one process: nothing to shard
+    (["train.grad_accum=2"], "cuda", 1, (True, "step", "cudnn", "none")),
+    (["train.lora.enabled=true"], "cuda", 1, (True, "step", "cudnn", "none")),
+    (["train.cuda_graphs=step", "train.gradient_checkpointing=true"], "cuda", 1, (True, "step", "cudnn", "none")),
     (["train.grad_accum=2", "train.cuda_graphs=true"], "cuda", 1, (True, True, "cudnn", "none")),
     (
         ["train.fsdp=full_shard", "train.fsdp_cpu_offload=true"],
@@ -155,7 +159,8 @@ SPEED_CASES = [
     (["train.compile=false", "train.skip_future_keys=true"], "cuda", 1, (False, False, "efficient", "none")),
     (["train.compile=true", "train.cuda_graphs=true"], "cpu", 1, (False, False, "efficient", "none")),
     # FlexAttention: kept on CUDA (row groups or not), the memory-efficient kernel on the CPU (no backward)
-    (["train.attention=flex", "train.skip_future_keys=true"], "cuda", 1, (True, False, "flex", "none")),
+    (["train.attention=flex", "train.skip_future_keys=true"], "cuda", 2, (True, False, "flex", "none")),
+    (["train.attention=flex"], "cuda", 1, (True, "step", "flex", "none")),
     (["train.attention=flex"], "cpu", 1, (False, False, "efficient", "none")),
 ]
 
