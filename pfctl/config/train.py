@@ -226,8 +226,11 @@ class TrainConfig(Section):
     as one CUDA graph right after its first, eager run, and replayed from then on: the host copies the batch
     into the graph's buffers and launches it, and the step takes what the GPU needs
     (:mod:`pfctl.training.step_graphs`). It works with compiled or eager blocks and with activation
-    checkpointing; it needs CUDA and one process (the backward of several holds collectives), and refuses
-    host offload. On the CPU it is ignored, with a note. The gradients accumulate into tensors of their own.
+    checkpointing; it needs CUDA, and refuses sharding (``train.fsdp`` over several processes, host offload).
+    Several processes train data parallel: each records its own inputs, and the step's gradients are
+    averaged across processes in one collective per buffer after its last micro-batch (not overlapped with
+    the backward, as DDP's all-reduce is). On the CPU it is ignored, with a note. The gradients accumulate
+    into buffers of their own.
     ``auto`` (default): ``step`` with compiled blocks on one CUDA process without host offload or activation
     checkpointing (on an H100 the 384p recipe's step ran 3.0x the reference's step, ``benchmarks/RESULTS.md``,
     session 43); off otherwise (several processes, checkpointing, ``train.compile=false``, the CPU).
@@ -367,12 +370,13 @@ def check_train_constraints(train: TrainConfig, world_size: int) -> SyncGroupPla
             f"train.lora.enabled=true with train.fsdp={train.fsdp}: LoRA runs are not sharded in this version",
             hint="use train.fsdp=none (several GPUs still work: data parallel), or full fine-tuning with FSDP",
         )
-    if train.cuda_graphs == "step" and (world_size > 1 or train.fsdp_cpu_offload):
-        why = f"{world_size} processes" if world_size > 1 else "train.fsdp_cpu_offload=true"
+    sharded = world_size > 1 and train.fsdp != "none"
+    if train.cuda_graphs == "step" and (sharded or train.fsdp_cpu_offload):
+        why = f"train.fsdp={train.fsdp} over {world_size} processes" if sharded else "train.fsdp_cpu_offload=true"
         raise ConfigError(
-            f"train.cuda_graphs=step does not work with {why}: the graph of a step is recorded in one process, "
-            "with its weights and gradients on the GPU",
-            hint="launch one process, or set train.cuda_graphs=auto / true / false",
+            f"train.cuda_graphs=step does not work with {why}: a step is recorded with every weight and "
+            "gradient whole on the GPU, not gathered and scattered around the blocks",
+            hint="set train.fsdp=none (data parallel), or train.cuda_graphs=auto / true / false",
         )
     if train.cuda_graphs is True:
         clash = [

@@ -22,6 +22,12 @@ given and the weights (no host synchronisation, no randomness, no collective), a
 before the next replay overwrites them (the trainer adds them to the step's totals at once, on the same
 stream). A recording that fails (an operation that cannot be recorded) is reported once, and every input
 runs eagerly from then on.
+
+With several processes (data parallel) each records its own inputs, and no collective is recorded: the
+DiT runs without its DDP wrapper, the gradients live in one buffer per dtype (:func:`gradient_buffers`),
+and after a step's last micro-batch the processes average them in one collective per buffer
+(:func:`average_gradients`), as DDP would have (each divided by the world size, then summed), only not
+overlapped with the backward.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import torch
 from pfctl.models.fast.cuda_graph import flatten_tensors, record_graph, signature, unflatten_tensors
 from pfctl.runtime import logging as pflog
 
-__all__ = ["StepGraphs"]
+__all__ = ["StepGraphs", "average_gradients", "gradient_buffers"]
 
 
 @dataclass
@@ -139,3 +145,29 @@ def _where(err: BaseException) -> str:
     frames = traceback.extract_tb(err.__traceback__)
     ours = [f for f in frames if "/pfctl/" in f.filename and not f.filename.endswith("step_graphs.py")]
     return f" at pfctl/{ours[-1].filename.rsplit('/pfctl/', 1)[-1]}:{ours[-1].lineno}" if ours else ""
+
+
+def gradient_buffers(parameters: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """Zeroed gradients for ``parameters``, each a view of one buffer per dtype (the buffers returned, in the
+    order of the parameters' first dtype): what the CUDA graphs add into, replay after replay, and what several
+    processes average with one collective per buffer."""
+    buffers = []
+    for dtype in dict.fromkeys(p.dtype for p in parameters):
+        group = [p for p in parameters if p.dtype == dtype]
+        flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=group[0].device)
+        offset = 0
+        for p in group:
+            p.grad = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        buffers.append(flat)
+    return buffers
+
+
+def average_gradients(buffers: list[torch.Tensor], world_size: int) -> None:
+    """Every process's gradients replaced by their mean across the processes, in place: each divided by the
+    world size, then summed (DDP's order of operations)."""
+    import torch.distributed as dist
+
+    for flat in buffers:
+        flat.div_(world_size)
+        dist.all_reduce(flat)

@@ -79,7 +79,7 @@ from pfctl.training.plan import (
     merge_too_big,
     token_count_sets,
 )
-from pfctl.training.step_graphs import StepGraphs
+from pfctl.training.step_graphs import StepGraphs, average_gradients, gradient_buffers
 from pfctl.training.summary import write_summary
 from pfctl.training.trackers import flat_config, log_validation, start_trackers
 from pfctl.training.warmup import WarmupWatch, watch_warmup
@@ -125,6 +125,7 @@ class Trainer:
         self.collector: Collector | None = None  # garbage collection at step boundaries (train.gc_every)
         self.saver: ckpt.BackgroundSaver | None = None  # checkpoints written in the background
         self.step_graphs: StepGraphs | None = None  # train.cuda_graphs=step: the step's CUDA graphs
+        self.grad_buffers: list[torch.Tensor] = []  # CUDA graphs: the gradients' memory (views of it)
 
     # ------------------------------------------------------------------------------------------
     # the loop
@@ -251,11 +252,9 @@ class Trainer:
         """``grad_accum`` micro-batches, each drawn and noised in turn, then run through the DiT each with its own
         forward and backward, or all in one (``train.merge_micro_batches``, as settled: their columns side by
         side, :func:`pfctl.flow.pyramid.merge_pyramid_batches`; each micro-batch has the same columns, so the
-        loss and the losses per stage are the means of theirs).
-
-        Returns the summed ``[loss, loss per stage..., tokens, samples]`` (on the device), whether this rank's
-        loss was non-finite (read only when the step's numbers are not finite, to name this rank's clips: no
-        wait otherwise), and the clip ids of the step."""
+        loss and the losses per stage are the means of theirs). Returns the summed ``[loss, loss per stage...,
+        tokens, samples]`` (on the device), whether this rank's loss was non-finite (read only when the step's
+        numbers are not finite, to name this rank's clips: no wait otherwise), and the clip ids of the step."""
         cfg, device = self.cfg, self.runtime.device
         stats = torch.zeros(len(self.stages) + 3, dtype=torch.float64, device=device)
         local_bad = torch.zeros((), dtype=torch.bool, device=device)
@@ -285,6 +284,8 @@ class Trainer:
             text = merged_text_rows(list(batches), columns=len(parts[0].sample))
             loss, per_stage = self.forward_backward(merge_pyramid_batches(parts), text, 1)
             local_bad |= self.tally(stats, loss, per_stage, 1)
+        if self.step_graphs is not None and self.runtime.world_size > 1:  # (recorded without DDP's all-reduce)
+            average_gradients(self.grad_buffers, self.runtime.world_size)
         return stats, local_bad, step_ids
 
     def next_micro_batch(self, merged: bool) -> TrainBatch:
@@ -432,8 +433,9 @@ class Trainer:
         if self.graphed:
             # a new forward: the blocks' graphs may overwrite what the last one left (nothing reads it now)
             torch.compiler.cudagraph_mark_step_begin()
+        model = self.model if self.step_graphs is None else self.unwrapped  # (a recording holds no collective)
         with self.runtime.accelerator.autocast():
-            return self.model(
+            return model(
                 sample=inputs.sample,
                 encoder_hidden_states=text.prompt_embeds,
                 encoder_attention_mask=text.prompt_attention_mask,
@@ -588,8 +590,7 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.cfg)
         if self.keeps_gradients:
             trained = [p for p in self.model.parameters() if p.requires_grad]
-            for p in trained:
-                p.grad = torch.zeros_like(p)
+            self.grad_buffers = gradient_buffers(trained)
             if self.cfg.cuda_graphs == "step":
                 self.step_graphs = StepGraphs(self.runtime.device, trained)
 

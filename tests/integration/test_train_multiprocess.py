@@ -155,3 +155,42 @@ def test_bad_layout_under_torchrun_reports_exit_code_2(tmp_path: Path) -> None:
     text = proc.stdout + proc.stderr
     assert "world size 2 is not divisible by train.video_sync_group 4" in text
     assert "exitcode  : 2" in text or "exit code 2" in text or "exitcode: 2" in text
+
+
+@pytest.mark.slow
+def test_step_graphs_with_two_processes_average_like_ddp(tmp_path: Path) -> None:
+    """Data parallel under ``train.cuda_graphs=step``: each of two processes (one sync group, so each trains
+    other units of the same clips) records its own inputs and replays them without DDP, and the step's
+    gradients are averaged after its last micro-batch; the losses and the final weights are those of the
+    same two-process run under DDP without graphs, within fp32 rounding. (On the CPU the recording is
+    played by ``helpers.step_graphs.replaying_capture``; the speed is settled by hand in the worker.)"""
+    from safetensors.torch import load_file
+
+    from helpers.tolerance import assert_rounding_close
+
+    write_synthetic_cache(str(tmp_path / "cache"), [4] * 8, seed=5)
+    worker = Path(__file__).with_name("_step_graphs_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PFCTL_TEST_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    runs = {}
+    for mode in ("plain", "step"):
+        folder = tmp_path / mode
+        folder.mkdir()
+        recipe = _recipe(folder, tmp_path / "cache", 2, max_steps=4, max_units=4, lr=2e-3, checkpoint_every=4, log_every=1)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        proc = subprocess.run(
+            [*cmd, str(worker), str(recipe), mode], capture_output=True, text=True, timeout=300, env=env
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        rows = [json.loads(x) for x in (folder / "out" / "metrics.jsonl").read_text().splitlines()]
+        runs[mode] = [r["loss"] for r in rows if "loss" in r]
+        if mode == "step":  # two unit positions a rank (one bucket), each recorded once
+            assert "CUDA graphs of the step: 2 recorded" in proc.stdout + proc.stderr
+    assert len(runs["step"]) == 4
+    assert_rounding_close(runs["step"], runs["plain"], reduction=64, depth=4 * 8)
+    weights = {
+        mode: load_file(str(tmp_path / mode / "out/checkpoints/step-000004/model/diffusion_pytorch_model.safetensors"))
+        for mode in runs
+    }
+    for key, value in weights["plain"].items():
+        assert_rounding_close(weights["step"][key], value, reduction=64, depth=4 * 8)

@@ -1,8 +1,8 @@
 """``train.cuda_graphs=step``: each distinct input's forward and backward recorded once and replayed
-(:mod:`pfctl.training.step_graphs`). On the CPU a recording is played by :func:`replaying_capture`, which does
-what a CUDA graph does to the tensors: the recording changes nothing, and a replay runs the same work again on
-the recording's input buffers, writing its outputs where the recording's are. The real recording runs in the
-CUDA test at the end."""
+(:mod:`pfctl.training.step_graphs`). On the CPU a recording is played by ``helpers.step_graphs.
+replaying_capture``, which does what a CUDA graph does to the tensors: the recording changes nothing, and a
+replay runs the same work again on the recording's input buffers, writing its outputs where the recording's
+are. The real recording runs in the CUDA test at the end; two processes in test_train_multiprocess."""
 
 from __future__ import annotations
 
@@ -15,32 +15,14 @@ import pytest
 import torch
 import yaml
 
+from helpers.step_graphs import replaying_capture
 from helpers.tiny_models import tiny_train_config
 from helpers.tolerance import assert_rounding_close
 from pfctl import api
 from pfctl.config.train import TrainSpeed, check_train_constraints, resolve_train_speed
 from pfctl.data.dataset import write_synthetic_cache
 from pfctl.errors import ConfigError
-from pfctl.models.fast.cuda_graph import flatten_tensors
 from pfctl.training.step_graphs import StepGraphs
-
-
-def replaying_capture(self: StepGraphs, work: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
-    """:meth:`StepGraphs.capture` on the CPU: the work runs once to make its outputs, and the gradients it
-    added are taken back (a recording runs nothing); a replay runs it again and copies its outputs into
-    those."""
-    saved = [p.grad.clone() for p in self.parameters]
-    out = work()
-    for p, grad in zip(self.parameters, saved, strict=True):
-        p.grad.copy_(grad)
-    outputs, _ = flatten_tensors(out)
-
-    def replay() -> None:
-        fresh, _ = flatten_tensors(work())
-        for static, value in zip(outputs, fresh, strict=True):
-            static.copy_(value)
-
-    return replay, out
 
 
 def _model_and_work() -> tuple[torch.nn.Module, Callable[..., Any]]:
@@ -120,10 +102,10 @@ def test_a_replay_refuses_gradients_made_anew(monkeypatch: pytest.MonkeyPatch) -
         graphs(work, batch, 1.0)
 
 
-def test_step_graphs_settle_on_cuda_only_and_need_one_process() -> None:
+def test_step_graphs_settle_on_cuda_only_and_refuse_sharding() -> None:
     """``step`` on CUDA settles to the step's graphs, with cuDNN attention for compiled blocks (its host
-    cost is recorded away) and merged micro-batches; on the CPU it is ignored with a note; several
-    processes or host offload are refused before any work, naming the key."""
+    cost is recorded away) and merged micro-batches; on the CPU it is ignored with a note; sharding over
+    several processes or host offload are refused before any work, naming the key; data parallel is kept."""
     from pfctl.config.train import TrainConfig
 
     train = TrainConfig(cuda_graphs="step", grad_accum=2, video_sync_group=1)
@@ -134,8 +116,10 @@ def test_step_graphs_settle_on_cuda_only_and_need_one_process() -> None:
     assert (eager.cuda_graphs, eager.attention) == ("step", "efficient")
     cpu = resolve_train_speed(train, "cpu", 1)
     assert cpu.cuda_graphs is False and "train.cuda_graphs=step needs CUDA" in cpu.describe()
-    with pytest.raises(ConfigError, match=r"train\.cuda_graphs=step does not work with 2 processes"):
-        check_train_constraints(train.model_copy(update={"video_sync_group": 2}), 2)
+    pair = train.model_copy(update={"video_sync_group": 2})
+    check_train_constraints(pair, 2)  # data parallel
+    with pytest.raises(ConfigError, match=r"does not work with train\.fsdp=full_shard over 2 processes"):
+        check_train_constraints(pair.model_copy(update={"fsdp": "full_shard"}), 2)
     offload = train.model_copy(update={"fsdp": "full_shard", "fsdp_cpu_offload": True})
     with pytest.raises(ConfigError, match=r"train\.fsdp_cpu_offload=true"):
         check_train_constraints(offload, 1)
@@ -145,6 +129,21 @@ def _one_bucket_cache(tmp_path: Path) -> Path:
     cache = tmp_path / "cache"
     write_synthetic_cache(str(cache), [4] * 8, seed=0)
     return cache
+
+
+def test_gradients_are_views_of_one_buffer_per_dtype() -> None:
+    """Each trained parameter's gradient is a zeroed view into its dtype's buffer (in the parameters' order), so
+    what the graphs add and what a collective reduces is the same memory."""
+    from pfctl.training.step_graphs import gradient_buffers
+
+    params = [torch.nn.Parameter(torch.ones(2, 3)), torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))]
+    params.append(torch.nn.Parameter(torch.ones(5)))
+    buffers = gradient_buffers(params)
+    assert [(b.dtype, b.numel()) for b in buffers] == [(torch.float32, 11), (torch.bfloat16, 4)]
+    assert all(p.grad.shape == p.shape and not p.grad.any() for p in params)
+    params[0].sum().backward()
+    params[2].sum().backward()
+    assert torch.equal(buffers[0], torch.ones(11)) and not buffers[1].any()
 
 
 def _losses(out: Path) -> list[float]:
