@@ -60,6 +60,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -88,19 +89,33 @@ def dit_flops_per_forward(cfg: dict, records: list[dict], text_len: int) -> floa
     return 2.0 * macs
 
 
-def counting_syncs(step: Callable[[], Any]) -> tuple[Any, int]:
-    """``step()`` under CUDA's sync debug mode: its result and the number of calls in it that made the
-    host wait for the GPU (``.item()``, ``float(t)``, device-to-host and pageable host-to-device copies)."""
+def counting_syncs(step: Callable[[], Any]) -> tuple[Any, list[str]]:
+    """``step()`` under CUDA's sync debug mode: its result and where each call in it made the host wait for
+    the GPU (``.item()``, ``float(t)``, device-to-host and pageable host-to-device copies): the last pfctl
+    frame on the stack (``training/trainer.py:210``), else the frame the warning names."""
     import torch
 
-    with warnings.catch_warnings(record=True) as caught:
+    import pfctl
+
+    package, sites = Path(pfctl.__file__).resolve().parent, []
+
+    def note(message: Any, category: Any, filename: str, lineno: int, *_: Any) -> None:
+        if "synchronizing" not in str(message):
+            return
+        files = [(Path(f.filename).resolve(), f.lineno) for f in traceback.extract_stack()[:-1]]
+        ours = [(file, line) for file, line in files if file.is_relative_to(package)]
+        file, line = ours[-1] if ours else (Path(filename), lineno)
+        sites.append(f"{file.relative_to(package) if ours else file.name}:{line}")
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = note
         torch.cuda.set_sync_debug_mode("warn")
         try:
             result = step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return result, sum("synchronizing" in str(w.message) for w in caught)
+    return result, sites
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -325,7 +340,7 @@ class Timings:
     peak: list[float] = field(default_factory=list)  # CUDA: the step's peak allocation (the trainer's metric)
     gc: list[float] = field(default_factory=list)  # seconds Python's garbage collector ran in the step
     gc_full: list[int] = field(default_factory=list)  # its full passes (every generation) in the step
-    syncs: int | None = None
+    syncs: list[str] | None = None  # where the host waited for the GPU in a warm-up step (CUDA)
     metrics: dict = field(default_factory=dict)
     graphs: list[collections.Counter] = field(default_factory=list)  # CUDA-graph trees' calls by outcome
     step_graphs: list[tuple[int, int]] = field(default_factory=list)  # train.cuda_graphs=step: (calls, replays)

@@ -120,7 +120,7 @@ def report_rows(run: Measured, config: Any, setting: Setting, args: argparse.Nam
         ("host busy fraction of the step", f"{statistics.median(host_max[i] / step_max[i] for i in timed):.0%}"),
         ("batch loading / step (host)", f"{statistics.median(load_max[i] for i in timed) * 1e3:.1f} ms"),
         ("Python GC: step 1 / rest of warm-up / timed", gc_row(t, setting.warmup)),
-        ("blocking host syncs / step", "n/a (counted on CUDA, in a warm-up step)" if t.syncs is None else str(t.syncs)),
+        ("blocking host syncs / step", sync_row(t.syncs)),
         ("peak memory (timed steps)", peak),
         ("checkpoint save (not timed above)", "skipped (--no-checkpoint)" if args.no_checkpoint else checkpoint),
         ("last loss", f"{t.metrics['loss']:.4f}"),
@@ -153,6 +153,15 @@ def step_graph_row(counts: list[tuple[int, int]], warmup: int) -> str:
     eager = [warmup + i + 1 for i, (a, b) in enumerate(itertools.pairwise(totals)) if b[0] - a[0] != b[1] - a[1]]
     line = f"the whole step: {calls} calls, {replays} replayed"
     return line + (f"; steps with eager calls: {' '.join(map(str, eager))}" if eager else "")
+
+
+def sync_row(sites: list[str] | None) -> str:
+    """How many times a warm-up step made the host wait for the GPU, and where (each site once, with its
+    count)."""
+    if sites is None:
+        return "n/a (counted on CUDA, in a warm-up step)"
+    counts = collections.Counter(sites)
+    return f"{len(sites)}" + (" (" + ", ".join(f"{s} x{n}" if n > 1 else s for s, n in counts.items()) + ")" if sites else "")
 
 
 def gc_row(t: Timings, warmup: int) -> str:

@@ -355,3 +355,37 @@ def test_bench_prints_the_host_profile_per_phase(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     timed = proc.stdout.split("host samples: timed steps, MainThread:")[1].split("host samples:")[0]
     assert "pfctl/training/trainer.py:train_step" in timed
+
+
+def test_the_host_syncs_of_a_step_are_named_by_pfctl_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each sync CUDA's debug mode reports in the counted step is named by the last pfctl line on the stack
+    (else the line the warning names), counted per site in the report; other warnings are not syncs."""
+    import warnings
+
+    import torch
+
+    from pfctl.models.fast.cuda_graph import record_graph
+
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+
+    class Unrecorded:  # what record_graph needs of a CUDA graph, on the CPU
+        def capture_begin(self, *args: object, **kwargs: object) -> None: ...
+        def capture_end(self) -> None: ...
+
+    def sync() -> None:
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+
+    def step() -> str:
+        sync()
+        record_graph(Unrecorded(), None, None, sync)  # through a pfctl frame
+        record_graph(Unrecorded(), None, None, sync)
+        warnings.warn("something else", UserWarning, stacklevel=1)
+        return "metrics"
+
+    result, sites = _bench().counting_syncs(step)
+    assert result == "metrics" and len(sites) == 3
+    assert sites[0].startswith("test_bench_train.py:")
+    assert sites[1] == sites[2] and sites[1].startswith("models/fast/cuda_graph.py:")
+    row = _bench("train_report").sync_row(sites)
+    assert row == f"3 ({sites[0]}, {sites[1]} x2)"
+    assert _bench("train_report").sync_row([]) == "0"

@@ -64,11 +64,20 @@ def test_each_signature_runs_eagerly_once_is_recorded_then_replayed(monkeypatch:
 def test_a_recording_that_fails_leaves_every_call_eager(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    """An operation that cannot be recorded: a warning at once, the failure kept for the log, the graphs
-    dropped, and every call runs the work itself from then on (its gradients added once per call)."""
+    """An operation that cannot be recorded: a warning at once naming the last of pfctl's own lines the error
+    passed through, the failure kept for the log, the graphs dropped, and every call runs the work itself from
+    then on (its gradients added once per call)."""
+    from pfctl.models.fast.cuda_graph import record_graph
+
+    class Unrecorded:  # what record_graph needs of a CUDA graph, on the CPU
+        def capture_begin(self, *args: Any, **kwargs: Any) -> None: ...
+        def capture_end(self) -> None: ...
+
+    def refuse() -> None:
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
 
     def failing(self: StepGraphs, work: Callable[[], Any]) -> Any:
-        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+        return record_graph(Unrecorded(), None, None, refuse)
 
     monkeypatch.setattr(StepGraphs, "capture", failing)
     model, work = _model_and_work()
@@ -78,7 +87,7 @@ def test_a_recording_that_fails_leaves_every_call_eager(
         graphs(work, batch, 1.0)
     assert (graphs.recorded, graphs.replays) == (0, 0)
     warned = capsys.readouterr()
-    assert (warned.out + warned.err).count("CUDA graphs of the step: recording failed") == 1
+    assert (warned.out + warned.err).count("CUDA graphs of the step: recording failed at pfctl/models/fast/") == 1
     assert graphs.summary() == (
         "CUDA graphs of the step: recording failed (RuntimeError: operation not permitted when stream is "
         "capturing); eager steps"
