@@ -338,6 +338,7 @@ class Timings:
     tokens: list[int] = field(default_factory=list)
     analytic: list[float] = field(default_factory=list)
     peak: list[float] = field(default_factory=list)  # CUDA: the step's peak allocation (the trainer's metric)
+    reserved: list[float] = field(default_factory=list)  # CUDA: GiB the allocator holds after the step
     gc: list[float] = field(default_factory=list)  # seconds Python's garbage collector ran in the step
     gc_full: list[int] = field(default_factory=list)  # its full passes (every generation) in the step
     syncs: list[str] | None = None  # where the host waited for the GPU in a warm-up step (CUDA)
@@ -462,6 +463,7 @@ def run_step(
     out.host.append(returned)
     out.wait.append(metrics["gpu_wait_s"])
     out.peak.append(metrics.get("peak_memory_gib", 0.0))
+    out.reserved.append(torch.cuda.memory_reserved() / 2**30 if cuda else 0.0)
     out.load.append(metrics["data_time_s"])  # the main thread's: drawing and waiting for batches
     out.tokens.append(sum(r["tokens"] for r in records))
     for rec in records:

@@ -79,6 +79,8 @@ def report_rows(run: Measured, config: Any, setting: Setting, args: argparse.Nam
         peaks = across_processes(t.peak, "max")
         warm = max(peaks[: setting.warmup], default=0.0)
         peak = f"{max(peaks[i] for i in timed):.2f} GiB allocated ({warm:.2f} in the warm-up)"
+        reserved = across_processes(t.reserved[-1:], "max")[0]
+        peak += f"; {reserved:.2f} GiB reserved at the end (CUDA graphs keep their pool reserved, not allocated)"
     else:
         peak = f"{across_processes([run.rss_gib], 'max')[0]:.2f} GiB RSS"
     step_s = statistics.median(step_max[i] for i in timed)
