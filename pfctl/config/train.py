@@ -374,8 +374,7 @@ def check_train_constraints(train: TrainConfig, world_size: int) -> SyncGroupPla
     if train.cuda_graphs == "step" and (sharded or train.fsdp_cpu_offload):
         why = f"train.fsdp={train.fsdp} over {world_size} processes" if sharded else "train.fsdp_cpu_offload=true"
         raise ConfigError(
-            f"train.cuda_graphs=step does not work with {why}: a step is recorded with every weight and "
-            "gradient whole on the GPU, not gathered and scattered around the blocks",
+            f"train.cuda_graphs=step does not work with {why}: a step is recorded with whole weights and gradients",
             hint="set train.fsdp=none (data parallel), or train.cuda_graphs=auto / true / false",
         )
     if train.cuda_graphs is True:
