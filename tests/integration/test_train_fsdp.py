@@ -169,6 +169,23 @@ def test_fsdp_on_gpus_matches_unsharded_and_resumes(tmp_path: Path, fsdp: str, c
 
 @pytest.mark.gpu
 @pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_step_graphs_on_two_gpus_train_like_ddp(tmp_path: Path) -> None:
+    """Two GPUs, data parallel, each recording its steps as CUDA graphs (compiled, checkpointed blocks) and
+    averaging the gradients after a step's last micro-batch: the losses follow the eager DDP run's within the
+    rounding of bf16 autocast."""
+    write_synthetic_cache(str(tmp_path / "cache"), [4] * 16 + [2] * 16, seed=0)
+    plain = _run(tmp_path, "plain", "cuda", fsdp="none", compile=False, cuda_graphs=False)
+    graphs = _run(tmp_path, "graphs", "cuda", fsdp="none", compile=True, cuda_graphs="step")
+    settled = yaml.safe_load((graphs / "config.yaml").read_text())["train"]
+    assert settled["cuda_graphs"] == "step" and settled["compile"] is True
+    assert len(_losses(graphs)) == STEPS
+    # bf16 rounds each product's inputs to 8 bits (2^-8 relative); the paths fuse differently
+    assert _losses(graphs) == pytest.approx(_losses(plain), rel=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_checkpointed_sharded_blocks_on_one_gpu_train_like_eager(tmp_path: Path) -> None:
     """Compile, activation checkpointing and FSDP2 in one run on one GPU: one process shards only with its

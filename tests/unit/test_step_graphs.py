@@ -208,15 +208,17 @@ def test_the_trainer_with_step_graphs_trains_like_without(
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_step_graphs_on_cuda_train_like_the_eager_path(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """Recorded for real: eager blocks and compiled blocks (cuDNN attention), each with the step's CUDA
-    graphs, two micro-batches merged, bf16 autocast; every unit position recorded once and replayed, and the
-    losses follow the eager path without graphs within the rounding of bf16 autocast."""
+    """Recorded for real: eager blocks, compiled blocks (cuDNN attention) and compiled blocks that recompute
+    in backward (activation checkpointing), each with the step's CUDA graphs, two micro-batches merged, bf16
+    autocast; every unit position recorded once and replayed, and the losses follow the eager path without
+    graphs within the rounding of bf16 autocast."""
     cache = _one_bucket_cache(tmp_path)
     common = {"lr": 2e-3, "max_steps": 6, "grad_accum": 2, "merge_micro_batches": True, "export": False}
     settings = {
         "eager": {"compile": False, "cuda_graphs": False},
         "eager-step": {"compile": False, "cuda_graphs": "step"},
         "compiled-step": {"compile": True, "cuda_graphs": "step"},
+        "checkpointed-step": {"compile": True, "cuda_graphs": "step", "gradient_checkpointing": True},
     }
     runs = {}
     for name, switch in settings.items():
@@ -227,7 +229,7 @@ def test_step_graphs_on_cuda_train_like_the_eager_path(tmp_path: Path, capsys: p
         out = capsys.readouterr().out
         if name != "eager":  # four unit positions, two merged micro-steps a step: two graphs
             assert "CUDA graphs of the step: 2 recorded" in out, out[-2000:]
-    for name in ("eager-step", "compiled-step"):
+    for name in ("eager-step", "compiled-step", "checkpointed-step"):
         assert len(runs[name]) == 6
         # bf16 rounds each product's inputs to 8 bits (2^-8 relative); the paths fuse differently
         assert runs[name] == pytest.approx(runs["eager"], rel=2e-2), name
