@@ -475,6 +475,8 @@ def resolve_train_speed(
     )
     if train.cuda_graphs == "step" and not cuda:
         notes.append("train.cuda_graphs=step needs CUDA: eager steps")
+    if cuda and compiled and train.cuda_graphs == "auto" and world_size > 1 and fsdp == "none":
+        notes.append("the step's CUDA graphs with several processes: --set train.cuda_graphs=step")
     attention = train.attention
     if attention == "flex" and not cuda:
         attention = "efficient"

@@ -127,6 +127,9 @@ def test_step_graphs_settle_on_cuda_only_and_refuse_sharding() -> None:
     assert cpu.cuda_graphs is False and "train.cuda_graphs=step needs CUDA" in cpu.describe()
     pair = train.model_copy(update={"video_sync_group": 2})
     check_train_constraints(pair, 2)  # data parallel
+    hint = "the step's CUDA graphs with several processes: --set train.cuda_graphs=step"
+    assert hint in resolve_train_speed(pair.model_copy(update={"cuda_graphs": "auto"}), "cuda", 2).describe()
+    assert hint not in resolve_train_speed(pair, "cuda", 2).describe()
     with pytest.raises(ConfigError, match=r"does not work with train\.fsdp=full_shard over 2 processes"):
         check_train_constraints(pair.model_copy(update={"fsdp": "full_shard"}), 2)
     offload = train.model_copy(update={"fsdp": "full_shard", "fsdp_cpu_offload": True})
