@@ -92,20 +92,16 @@ def dit_flops_per_forward(cfg: dict, records: list[dict], text_len: int) -> floa
 def counting_syncs(step: Callable[[], Any]) -> tuple[Any, list[str]]:
     """``step()`` under CUDA's sync debug mode: its result and where each call in it made the host wait for
     the GPU (``.item()``, ``float(t)``, device-to-host and pageable host-to-device copies): the last pfctl
-    frame on the stack (``training/trainer.py:210``), else the frame the warning names."""
+    line on the stack (``pfctl/training/trainer.py:210``), else the line the warning names."""
     import torch
 
-    import pfctl
+    from pfctl.runtime.logging import own_line
 
-    package, sites = Path(pfctl.__file__).resolve().parent, []
+    sites: list[str] = []
 
     def note(message: Any, category: Any, filename: str, lineno: int, *_: Any) -> None:
-        if "synchronizing" not in str(message):
-            return
-        files = [(Path(f.filename).resolve(), f.lineno) for f in traceback.extract_stack()[:-1]]
-        ours = [(file, line) for file, line in files if file.is_relative_to(package)]
-        file, line = ours[-1] if ours else (Path(filename), lineno)
-        sites.append(f"{file.relative_to(package) if ours else file.name}:{line}")
+        if "synchronizing" in str(message):
+            sites.append(own_line(traceback.extract_stack()[:-1]) or f"{Path(filename).name}:{lineno}")
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")

@@ -162,8 +162,10 @@ def sync_row(sites: list[str] | None) -> str:
     count)."""
     if sites is None:
         return "n/a (counted on CUDA, in a warm-up step)"
-    counts = collections.Counter(sites)
-    return f"{len(sites)}" + (" (" + ", ".join(f"{s} x{n}" if n > 1 else s for s, n in counts.items()) + ")" if sites else "")
+    if not sites:
+        return "0"
+    where = ", ".join(f"{site} x{n}" if n > 1 else site for site, n in collections.Counter(sites).items())
+    return f"{len(sites)} ({where})"
 
 
 def gc_row(t: Timings, warmup: int) -> str:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterator
+import traceback
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -113,3 +115,13 @@ def progress(description: str, total: int | None = None) -> Iterator[Any]:
     )
     with Progress(*columns, console=console(), transient=False) as bar:
         yield _RichProgress(bar, bar.add_task(description, total=total, info=""))
+
+
+def own_line(frames: Iterable[traceback.FrameSummary], skip: tuple[str, ...] = ()) -> str | None:
+    """``pfctl/FILE:LINE`` of the last of ``frames`` in pfctl's own code (files named in ``skip`` left out), or
+    None. Decided by path under the package, not by name: a checkout named ``pfctl`` holds torch in its
+    ``.venv`` too."""
+    package = Path(__file__).resolve().parents[1]
+    ours = [(Path(f.filename).resolve(), f.lineno) for f in frames]
+    ours = [(file, line) for file, line in ours if file.is_relative_to(package) and file.name not in skip]
+    return f"{ours[-1][0].relative_to(package.parent)}:{ours[-1][1]}" if ours else None

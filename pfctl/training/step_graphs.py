@@ -36,7 +36,6 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -143,10 +142,8 @@ class StepGraphs:
 def _where(err: BaseException) -> str:
     """`` at FILE:LINE`` of the last of pfctl's own frames an error passed through (where the work did what
     cannot be recorded), or nothing."""
-    package = Path(__file__).resolve().parents[1]  # (a checkout named pfctl holds torch in its .venv too)
-    files = [(Path(f.filename).resolve(), f.lineno) for f in traceback.extract_tb(err.__traceback__)]
-    ours = [(file, line) for file, line in files if file.is_relative_to(package) and file.name != "step_graphs.py"]
-    return f" at {ours[-1][0].relative_to(package.parent)}:{ours[-1][1]}" if ours else ""
+    line = pflog.own_line(traceback.extract_tb(err.__traceback__), skip=("step_graphs.py",))
+    return f" at {line}" if line else ""
 
 
 def gradient_buffers(parameters: list[torch.nn.Parameter]) -> list[torch.Tensor]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from pfctl.config.train import TrainConfig, TrainSpeed
 from pfctl.models.fast.cuda_graph import flatten_tensors
 from pfctl.training.step_graphs import StepGraphs
 
@@ -25,3 +26,21 @@ def replaying_capture(self: StepGraphs, work: Callable[[], Any]) -> tuple[Callab
             static.copy_(value)
 
     return replay, out
+
+
+class Unrecorded:
+    """What :func:`pfctl.models.fast.cuda_graph.record_graph` needs of a CUDA graph, on the CPU: a recording
+    that notes nothing, so the work runs as it is."""
+
+    def capture_begin(self, *args: Any, **kwargs: Any) -> None: ...
+    def capture_end(self) -> None: ...
+
+
+def eager_speed(graphs: bool | str, merged: bool) -> Callable[..., TrainSpeed]:
+    """A stand-in for the trainer's ``resolve_train_speed``: eager blocks, efficient attention, the config's
+    FSDP, ``graphs`` as ``train.cuda_graphs`` (``"step"`` on the CPU, by hand) and ``merged`` micro-batches."""
+
+    def speed(train: TrainConfig, *_: Any) -> TrainSpeed:
+        return TrainSpeed(False, graphs, "efficient", train.fsdp, merge_micro_batches=merged)
+
+    return speed

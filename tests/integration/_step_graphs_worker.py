@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import sys
 
-from helpers.step_graphs import replaying_capture
+from helpers.step_graphs import eager_speed, replaying_capture
 from pfctl import api
 from pfctl.config import load_config
-from pfctl.config.train import TrainSpeed
 from pfctl.training import trainer
 from pfctl.training.step_graphs import StepGraphs
 
@@ -17,9 +16,7 @@ from pfctl.training.step_graphs import StepGraphs
 def main() -> int:
     recipe, graphs = sys.argv[1], "step" if sys.argv[2] == "step" else False
     StepGraphs.capture = replaying_capture
-    trainer.resolve_train_speed = lambda train, *_: TrainSpeed(
-        False, graphs, "efficient", train.fsdp, merge_micro_batches=False
-    )
+    trainer.resolve_train_speed = eager_speed(graphs, merged=False)
     api.train(load_config(recipe))
     return 0
 

@@ -364,13 +364,10 @@ def test_the_host_syncs_of_a_step_are_named_by_pfctl_line(monkeypatch: pytest.Mo
 
     import torch
 
+    from helpers.step_graphs import Unrecorded
     from pfctl.models.fast.cuda_graph import record_graph
 
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
-
-    class Unrecorded:  # what record_graph needs of a CUDA graph, on the CPU
-        def capture_begin(self, *args: object, **kwargs: object) -> None: ...
-        def capture_end(self) -> None: ...
 
     def sync() -> None:
         warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
@@ -385,7 +382,7 @@ def test_the_host_syncs_of_a_step_are_named_by_pfctl_line(monkeypatch: pytest.Mo
     result, sites = _bench().counting_syncs(step)
     assert result == "metrics" and len(sites) == 3
     assert sites[0].startswith("test_bench_train.py:")
-    assert sites[1] == sites[2] and sites[1].startswith("models/fast/cuda_graph.py:")
+    assert sites[1] == sites[2] and sites[1].startswith("pfctl/models/fast/cuda_graph.py:")
     row = _bench("train_report").sync_row(sites)
     assert row == f"3 ({sites[0]}, {sites[1]} x2)"
     assert _bench("train_report").sync_row([]) == "0"

@@ -15,11 +15,11 @@ import pytest
 import torch
 import yaml
 
-from helpers.step_graphs import replaying_capture
+from helpers.step_graphs import Unrecorded, eager_speed, replaying_capture
 from helpers.tiny_models import tiny_train_config
 from helpers.tolerance import assert_rounding_close
 from pfctl import api
-from pfctl.config.train import TrainSpeed, check_train_constraints, resolve_train_speed
+from pfctl.config.train import check_train_constraints, resolve_train_speed
 from pfctl.data.dataset import write_synthetic_cache
 from pfctl.errors import ConfigError
 from pfctl.training.step_graphs import StepGraphs
@@ -68,10 +68,6 @@ def test_a_recording_that_fails_leaves_every_call_eager(
     passed through, the failure kept for the log, the graphs dropped, and every call runs the work itself from
     then on (its gradients added once per call)."""
     from pfctl.models.fast.cuda_graph import record_graph
-
-    class Unrecorded:  # what record_graph needs of a CUDA graph, on the CPU
-        def capture_begin(self, *args: Any, **kwargs: Any) -> None: ...
-        def capture_end(self) -> None: ...
 
     def refuse() -> None:
         raise RuntimeError("operation not permitted when stream is capturing\nmore")
@@ -178,11 +174,7 @@ def test_the_trainer_with_step_graphs_trains_like_without(
     runs = {}
     for name in ("plain", "graphs"):
         graphs = "step" if name == "graphs" else False
-        monkeypatch.setattr(
-            trainer,
-            "resolve_train_speed",
-            lambda train, *_, g=graphs: TrainSpeed(False, g, "efficient", train.fsdp, merge_micro_batches=merged),
-        )
+        monkeypatch.setattr(trainer, "resolve_train_speed", eager_speed(graphs, merged))
         adapters = {"lora.enabled": True, "lora.rank": 4} if lora else {}
         cfg = tiny_train_config(cache, tmp_path / name, lr=2e-3, max_steps=6, grad_accum=2, export=False, **adapters)
         api.train(cfg)
