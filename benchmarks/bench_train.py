@@ -23,7 +23,8 @@ What it prints (per process, the slowest / the mean over processes):
 * host fraction: the host's busy time of a step (until ``train_step`` returns, less the step's one wait
   for the GPU's numbers) over its synchronised time, and the part of it spent loading batches. A host that
   launches faster than the GPU runs also waits inside launches once CUDA's queue is full, so a high fraction
-  alone does not make a step host-bound: ``--profile`` prints the GPU's busy time in one profiled step;
+  alone does not make a step host-bound: ``--profile`` prints the GPU's busy time in one profiled step and
+  the host's own work in it, less its waits for the GPU (``--trace FILE`` writes that step's trace);
 * peak memory (CUDA: the largest allocation peak of a timed step, the trainer resetting it every step, and
   that of the warm-up; CPU: the process's peak RSS);
 * time to steady state: from the first step's start to the end of the first step from which on the median
@@ -100,8 +101,9 @@ def counting_syncs(step: Callable[[], Any]) -> tuple[Any, list[str]]:
     sites: list[str] = []
 
     def note(message: Any, category: Any, filename: str, lineno: int, *_: Any) -> None:
-        if "synchronizing" in str(message):
-            sites.append(own_line(traceback.extract_stack()[:-1]) or f"{Path(filename).name}:{lineno}")
+        if "called a synchronizing" in str(message):  # (not the mode's own "prototype" notice)
+            frames = traceback.extract_stack()[:-1]
+            sites.append(own_line(frames) or outside_pfctl(frames) or f"{Path(filename).name}:{lineno}")
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -112,6 +114,18 @@ def counting_syncs(step: Callable[[], Any]) -> tuple[Any, list[str]]:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return result, sites
+
+
+def outside_pfctl(frames: list[traceback.FrameSummary]) -> str | None:
+    """A wait with no pfctl line on its thread's stack: its innermost two frames, each as ``package/FILE:LINE
+    function`` (under site-packages) or ``FILE:LINE function``, innermost first."""
+    def site(frame: traceback.FrameSummary) -> str:
+        parts = Path(frame.filename).parts
+        under = parts[parts.index("site-packages") + 1 :] if "site-packages" in parts else parts[-1:]
+        return f"{'/'.join(under)}:{frame.lineno} {frame.name}"
+
+    inner = [f for f in frames if "warnings" not in Path(f.filename).name][-2:]
+    return " <- ".join(site(f) for f in reversed(inner)) or None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -187,6 +201,12 @@ def add_report_options(report: argparse._ArgumentGroup) -> None:
     """What is measured and printed beyond the report: progress, profiles, compile times, JSON."""
     report.add_argument("--json", default=None, help="also write the results here")
     report.add_argument("--profile", action="store_true", help="print the top ops of one profiled step")
+    report.add_argument(
+        "--trace",
+        default=None,
+        metavar="FILE",
+        help="with --profile: also write the profiled step's trace (Chrome's format; gzipped when FILE ends in .gz)",
+    )
     report.add_argument("--progress", action="store_true", help="print each step's time as it ends")
     report.add_argument(
         "--host-profile",
@@ -504,7 +524,7 @@ def step_phase(index: int, warmup: int, ends: tuple[int, ...] = ()) -> str:
     return f"steps {start}-{end} (warm-up)"
 
 
-def profile_step(trainer: Any, cuda: bool) -> dict:
+def profile_step(trainer: Any, cuda: bool, trace: str | None = None) -> dict:
     """One ``train_step`` under the profiler: the top operators by GPU and by host time, the GPU's busy share;
     returns the step's metrics."""
     import torch
@@ -530,7 +550,30 @@ def profile_step(trainer: Any, cuda: bool) -> dict:
             f"profiled step: {wall_s:.3f} s, the GPU busy {busy_s:.3f} s of it ({busy_s / wall_s:.0%}), "
             f"{kernels} GPU kernels and copies"
         )
+        work_s = host_work_seconds(events)
+        print(
+            f"host work in the profiled step, less its waits for the GPU: {work_s:.3f} s, {work_s / busy_s:.0%} "
+            "of the GPU's busy time (an upper bound: every thread, at the profiler's speed)"
+        )
+    if trace is not None:
+        prof.export_chrome_trace(trace)
     return metrics
+
+
+# the host calls that wait for the GPU: syncs, device-to-host copies, and a launch into a full queue
+GPU_WAITS = (
+    "cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync",
+    "cudaMemcpy", "Command Buffer Full",
+)  # fmt: skip
+
+
+def host_work_seconds(events: Any) -> float:
+    """Seconds the host's threads spent in a profiled step's own work: every CPU event's self time, less the
+    calls that wait for the GPU (:data:`GPU_WAITS`)."""
+    import torch
+
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    return sum(e.self_cpu_time_total for e in cpu if e.name not in GPU_WAITS) / 1e6
 
 
 def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -565,7 +608,7 @@ def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tup
         trainer.finish_checkpoints()
     written_s = time.perf_counter() - tic  # until the checkpoint is committed (the same with blocking saves)
     if args.profile:
-        profile_step(trainer, setting.cuda)
+        profile_step(trainer, setting.cuda, args.trace)
     if bypasses is not None:  # --compile-times
         print_compile_times(bypasses)
     run = Measured(
