@@ -260,6 +260,12 @@ class TrainConfig(Section):
     and time to steady: ``benchmarks/RESULTS.md``). Written by the main process; loaded only when PyTorch,
     Triton and the GPU model match its record (``compile-cache.json``), else compiled afresh. The file is
     compiled code: copy it only between your own runs."""
+    compile_cache_shared: str | None = Field(default="~/.cache/pfctl/compile", min_length=1)
+    """With ``compile_cache``: the same artifacts also kept here for all your runs, one folder per PyTorch,
+    Triton and GPU model. A run whose output directory holds no cache (a new run) loads this one, so only the
+    first run of a setup pays the cold compilation; on a cluster, a folder every node sees (the home directory
+    is one) does the same for runs on other nodes. Each run adds what it compiled to what it loaded. ``null``:
+    none kept."""
     gc_every: int = Field(default=50, ge=0)
     """Python's cyclic garbage collection during training: its automatic passes off, everything collected
     once when the warm-up ends and the young objects every N steps (torchtitan's ``gc_freq``), so no pass over

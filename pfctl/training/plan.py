@@ -311,7 +311,7 @@ def speed_note(
         if train.compile_cache:
             from pfctl.models.fast.compile_cache import describe_compile_cache
 
-            note += f"; {describe_compile_cache(train.output_dir)}"
+            note += f"; {describe_compile_cache(train.output_dir, train.compile_cache_shared)}"
     return note + " (the CPU runs eager blocks)"
 
 

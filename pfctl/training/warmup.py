@@ -1,5 +1,6 @@
 """The warm-up of compiled blocks: what it will build, when it is over, and the compiler's work kept for the
-next run on the same output directory (``train.compile_cache``, :mod:`pfctl.models.fast.compile_cache`)."""
+next run on the same output directory and for the user's later runs (``train.compile_cache``,
+``train.compile_cache_shared``, :mod:`pfctl.models.fast.compile_cache`)."""
 
 from __future__ import annotations
 
@@ -20,31 +21,42 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class CompileCacheSite:
-    """Where the run's compile cache lives, and whether this process writes it (the main process does)."""
+    """Where the run's compile cache lives, whether this process writes it (the main process does), and the
+    root of the cache the user's runs share (``train.compile_cache_shared``; None: none)."""
 
     directory: Path
     device: torch.device
     writes: bool
+    shared: Path | None = None
 
     def load(self) -> None:
-        from pfctl.models.fast.compile_cache import load_compile_cache
+        """The run's own artifacts (a resumed run); where none of its own load, those earlier runs shared."""
+        from pfctl.models.fast.compile_cache import load_compile_cache, load_shared_compile_cache
 
         loaded, line = load_compile_cache(self.directory, self.device)
-        if line is not None:
-            (pflog.log if loaded else pflog.warn)(line)
+        lines = [(loaded, line)] if line is not None else []
+        if not loaded and self.shared is not None:
+            shared, shared_lines = load_shared_compile_cache(self.shared, self.device)
+            lines += [(shared, text) for text in shared_lines]
+        for ok, text in lines:
+            (pflog.log if ok else pflog.warn)(text)
 
     def save(self, step: int) -> None:
+        """This process's artifacts beside the run, then into the shared cache (each failure a warning)."""
         if not self.writes:
             return
         from pfctl.models.fast.compile_cache import save_compile_cache
 
-        try:
-            line = save_compile_cache(self.directory, self.device, step)
-        except Exception as exc:  # an optional cache never stops a run (a full disk, PyTorch's own error)
-            pflog.warn(f"compile cache not saved: {type(exc).__name__}: {exc}")
-            return
-        if line is not None:
-            pflog.log(line)
+        for directory, shared in ((self.directory, False), (self.shared, True)):
+            if directory is None:
+                continue
+            try:
+                line = save_compile_cache(directory, self.device, step, shared=shared)
+            except Exception as exc:  # an optional cache never stops a run (a full disk, PyTorch's own error)
+                pflog.warn(f"compile cache not saved: {type(exc).__name__}: {exc}")
+                continue
+            if line is not None:
+                pflog.log(line)
 
 
 class WarmupWatch:
@@ -142,7 +154,10 @@ def watch_warmup(
     compiled, graphed = cfg.compile is True, cfg.compile is True and cfg.cuda_graphs is True
     if not compiled and step_graphs is None:
         return None
-    cache = CompileCacheSite(out, device, writes=is_main) if compiled and cfg.compile_cache else None
+    cache = None
+    if compiled and cfg.compile_cache:
+        shared = Path(cfg.compile_cache_shared).expanduser() if cfg.compile_cache_shared is not None else None
+        cache = CompileCacheSite(out, device, writes=is_main, shared=shared)
     recordings, what, summary = None, None, None
     if graphed:
         from pfctl.models.fast.graph_trees import recordings_begun

@@ -107,7 +107,8 @@ def test_dry_run_says_whether_a_compile_cache_waits_in_the_output_directory(cach
             "--set", "train.max_units=4", "--set", f"train.output_dir={tmp_path}"]  # fmt: skip
     result = invoke(*args)
     assert result.exit_code == 0, result.output
-    assert "nocompilecacheyet" in "".join(result.output.split())
+    assert "nocompilecacheofthisrunyet" in "".join(result.output.split())
+    assert "sharedcache~/.cache/pfctl/compile" in "".join(result.output.split())
     (tmp_path / "compile-cache.json").write_text('{"torch": "2.11.0", "triton": "3.6.0", "device": "H200", "step": 16}')
     result = invoke(*args)
     assert result.exit_code == 0, result.output

@@ -409,43 +409,50 @@ def test_compiled_runs_log_their_warm_up(
     assert f"warm-up over at step {last_new}:" in out
 
 
+CUDA_SETTINGS = {  # name: (train switches, settled cuda_graphs, settled attention, merged micro-batches)
+    "eager": ({"compile": False}, False, "efficient", False),
+    "default": ({}, "step", "cudnn", True),
+    "blocks": ({"cuda_graphs": False}, False, "efficient", True),
+    "flex": ({"attention": "flex", "cuda_graphs": False}, False, "flex", True),
+    "graphs": ({"cuda_graphs": True}, True, "cudnn", False),
+}
+
+
+def _cuda_run(cache: Path, out: Path, name: str) -> list[float]:
+    """Three steps of two micro-batches on CUDA (bf16 autocast) under ``CUDA_SETTINGS[name]``: its losses,
+    after checking what the run settled on."""
+    switch, graphs, attention, merged = CUDA_SETTINGS[name]
+    cfg = config(cache, out, max_steps=3, grad_accum=2, export=False, **switch)
+    api.train(cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"device": "cuda"})}))
+    settled = yaml.safe_load((out / "config.yaml").read_text())["train"]
+    assert settled["cuda_graphs"] == graphs and settled["compile"] is (name != "eager")
+    assert settled["attention"] == attention and settled["merge_micro_batches"] is merged
+    return [r["loss"] for r in metrics(out) if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def cuda_eager_losses(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    return _cuda_run(cache, tmp_path_factory.mktemp("eager"), "eager")
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", [name for name in CUDA_SETTINGS if name != "eager"])
 def test_cuda_defaults_and_cuda_graphs_train_like_the_eager_path_with_accumulation(
-    cache: Path, tmp_path: Path
+    name: str, cache: Path, tmp_path: Path, cuda_eager_losses: list[float]
 ) -> None:
-    """Two micro-batches per step on CUDA, bf16 autocast: the defaults (compiled blocks, the whole step's CUDA
-    graphs, cuDNN's attention, the micro-batches merged into one forward), compiled blocks without graphs (the
-    memory-efficient kernel, merged), the same with every column in one FlexAttention call
-    (``attention=flex``), and compiled blocks as CUDA graphs (cuDNN's kernel), where the first micro-batch's
-    gradients survive the second one's forward (which reuses the graphs' memory): the losses follow the eager
-    path's within the rounding of bf16 autocast."""
-    common = {"max_steps": 3, "grad_accum": 2, "export": False}
-    runs = {}
-    settings = {
-        "eager": {"compile": False},
-        "default": {},
-        "blocks": {"cuda_graphs": False},
-        "flex": {"attention": "flex", "cuda_graphs": False},
-        "graphs": {"cuda_graphs": True},
-    }
-    graphs = {"default": "step", "graphs": True}
-    attention = {"eager": "efficient", "default": "cudnn", "blocks": "efficient", "flex": "flex", "graphs": "cudnn"}
-    for name, switch in settings.items():
-        cfg = config(cache, tmp_path / name, **common, **switch)
-        cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"device": "cuda"})})
-        api.train(cfg)
-        runs[name] = [r["loss"] for r in metrics(tmp_path / name) if "loss" in r]
-        settled = yaml.safe_load((tmp_path / name / "config.yaml").read_text())["train"]
-        assert settled["cuda_graphs"] == graphs.get(name, False) and settled["compile"] is (name != "eager")
-        assert settled["attention"] == attention[name]
-        assert settled["merge_micro_batches"] is (name in ("default", "blocks", "flex"))
+    """Two micro-batches per step on CUDA, bf16 autocast, one case per setting (each compiles on its own):
+    the defaults (compiled blocks, the whole step's CUDA graphs, cuDNN's attention, the micro-batches merged
+    into one forward), compiled blocks without graphs (the memory-efficient kernel, merged), the same with
+    every column in one FlexAttention call (``attention=flex``), and compiled blocks as CUDA graphs (cuDNN's
+    kernel), where the first micro-batch's gradients survive the second one's forward (which reuses the graphs'
+    memory): the losses follow the eager path's within the rounding of bf16 autocast."""
+    losses = _cuda_run(cache, tmp_path / name, name)
     # (the defect the graphs' case guards against stopped the second micro-batch's backward with an error);
     # bf16 rounds each product's inputs to 8 bits (2^-8 relative) and the paths fuse differently
-    for name in ("default", "blocks", "flex", "graphs"):
-        assert len(runs[name]) == 3
-        assert runs[name] == pytest.approx(runs["eager"], rel=2e-2), name
+    assert len(losses) == 3
+    assert losses == pytest.approx(cuda_eager_losses, rel=2e-2)
 
 
 @pytest.mark.gpu

@@ -20,17 +20,20 @@ _COMPILE = """
 import json, sys
 import torch
 from torch._dynamo.utils import counters
-from pfctl.models.fast.compile_cache import load_compile_cache, save_compile_cache
+from pfctl.models.fast.compile_cache import load_compile_cache, load_shared_compile_cache, save_compile_cache
 
 mode, directory = sys.argv[1], sys.argv[2]
 lines = []
 if mode == "load":
     lines.append(load_compile_cache(directory, torch.device("cpu")))
+if mode == "load-shared":
+    lines.append(load_shared_compile_cache(directory, torch.device("cpu")))
 f = torch.compile(lambda x: x @ x.t(), backend="inductor", dynamic=False)  # one library call: no C++ to build
 with torch.no_grad():
     f(torch.randn(4, 8))
 if mode == "save":
     lines += [save_compile_cache(directory, torch.device("cpu"), step=7) for _ in range(2)]
+    lines.append(save_compile_cache(directory + "-shared", torch.device("cpu"), step=7, shared=True))
 print(json.dumps({"lines": lines, "inductor": dict(counters["inductor"])}))
 """
 
@@ -52,11 +55,12 @@ def _compile(mode: str, directory: Path, inductor_cache: Path) -> dict:
 @pytest.mark.slow
 def test_saved_artifacts_make_a_process_with_empty_caches_skip_the_compilation(tmp_path: Path) -> None:
     """What a resumed run on another machine gets: a process whose compiler caches are empty loads the file
-    the first run wrote and compiles nothing (every graph a cache hit). The record names what wrote it."""
+    the first run wrote and compiles nothing (every graph a cache hit). The record names what wrote it. A new
+    run on a third machine gets the same from the cache the first run shared."""
     run = tmp_path / "run"
     first = _compile("save", run, tmp_path / "machine-a")
     assert first["inductor"].get("fxgraph_cache_miss", 0) >= 1  # it did compile
-    saved, again = first["lines"]
+    saved, again, shared = first["lines"]
     assert saved.startswith("compile cache saved:") and "inductor" in saved
     assert again.startswith("compile cache unchanged:")  # the same artifacts are not written twice
 
@@ -73,6 +77,14 @@ def test_saved_artifacts_make_a_process_with_empty_caches_skip_the_compilation(t
     assert loaded and line.startswith("compile cache loaded:")
     assert second["inductor"].get("fxgraph_cache_miss", 0) == 0
     assert second["inductor"].get("fxgraph_cache_hit", 0) >= 1
+
+    # a new run (no cache of its own) on a third machine, from the cache the first run shared
+    assert shared.startswith("compile cache saved:")
+    third = _compile("load-shared", tmp_path / "run-shared", tmp_path / "machine-c")
+    [(loaded, lines)] = third["lines"]
+    assert loaded and len(lines) == 1 and lines[0].startswith("compile cache loaded:")
+    assert third["inductor"].get("fxgraph_cache_miss", 0) == 0
+    assert third["inductor"].get("fxgraph_cache_hit", 0) >= 1
 
 
 def _write_cache(directory: Path, blob: bytes, **record: object) -> CompileCacheFiles:
@@ -129,7 +141,9 @@ def test_the_warm_up_loads_the_cache_first_and_saves_it_once_when_over(tmp_path:
     monkeypatch.setattr(pflog, "warn", lambda message: said.append("warn: " + message))
     monkeypatch.setattr(compile_cache, "load_compile_cache", lambda d, dev: (True, f"loaded {d}"))
     saves: list[int] = []
-    monkeypatch.setattr(compile_cache, "save_compile_cache", lambda d, dev, step: saves.append(step) or "saved")
+    monkeypatch.setattr(
+        compile_cache, "save_compile_cache", lambda d, dev, step, shared: saves.append(step) or "saved"
+    )
     expected = {((8, 8, 2), (1,)): (64,), ((8, 8, 2), (2,)): (128,)}
 
     def run(writes: bool) -> None:
@@ -146,12 +160,84 @@ def test_the_warm_up_loads_the_cache_first_and_saves_it_once_when_over(tmp_path:
     run(writes=False)  # another rank: loads, never writes
     assert saves == [4]
 
-    def full_disk(d, dev, step):
+    def full_disk(d, dev, step, shared):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(compile_cache, "save_compile_cache", full_disk)
     run(writes=True)
     assert said[-1] == "warn: compile cache not saved: OSError: [Errno 28] No space left on device"
+
+
+def test_a_run_without_a_cache_of_its_own_loads_the_shared_one_and_saves_into_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``train.compile_cache_shared``: the run's own artifacts first (a resumed run, nothing else loaded);
+    where there are none that load, the shared cache's; at the warm-up's end the main process saves beside the
+    run, then into the shared cache, a failure of either a warning that leaves the other."""
+    from pfctl.models.fast import compile_cache
+    from pfctl.runtime import logging as pflog
+    from pfctl.training.warmup import CompileCacheSite
+
+    said: list[str] = []
+    monkeypatch.setattr(pflog, "log", lambda message, **_: said.append(message))
+    monkeypatch.setattr(pflog, "warn", lambda message: said.append("warn: " + message))
+    own, shared = tmp_path / "run", tmp_path / "shared"
+    monkeypatch.setattr(compile_cache, "load_shared_compile_cache", lambda root, dev: (True, [f"shared {root}"]))
+    site = CompileCacheSite(own, torch.device("cpu"), writes=True, shared=shared)
+
+    monkeypatch.setattr(compile_cache, "load_compile_cache", lambda d, dev: (True, f"own {d}"))
+    site.load()
+    assert said == [f"own {own}"]
+    monkeypatch.setattr(compile_cache, "load_compile_cache", lambda d, dev: (False, None))
+    site.load()
+    assert said[1:] == [f"shared {shared}"]
+    monkeypatch.setattr(compile_cache, "load_compile_cache", lambda d, dev: (False, "not loaded: damaged"))
+    site.load()
+    assert said[2:] == ["warn: not loaded: damaged", f"shared {shared}"]
+
+    def save(directory: Path, dev: torch.device, step: int, shared: bool) -> str:
+        if directory == own:
+            raise OSError(30, "Read-only file system")
+        return f"saved {directory} shared={shared}"
+
+    monkeypatch.setattr(compile_cache, "save_compile_cache", save)
+    site.save(3)
+    assert said[4:] == ["warn: compile cache not saved: OSError: [Errno 30] Read-only file system", f"saved {shared} shared=True"]
+
+
+def test_the_shared_cache_keeps_one_entry_per_configuration_the_newest_few(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each configuration's artifacts are an entry of their own in the setup's folder, named by their hash:
+    saving the same artifacts again writes nothing but makes that entry the newest; past
+    ``SHARED_ENTRIES`` the oldest go. A run loads every entry kept, the newest first."""
+    from types import SimpleNamespace
+
+    from pfctl.models.fast import compile_cache
+
+    blobs = [f"artifacts of configuration {i}".encode() for i in range(compile_cache.SHARED_ENTRIES + 2)]
+    current = {"blob": blobs[0]}
+    info = SimpleNamespace(artifacts={"inductor": ["key"]})
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (current["blob"], info))
+    cpu = torch.device("cpu")
+    kept = compile_cache.SHARED_ENTRIES
+    order = [*blobs[:kept], blobs[0], *blobs[kept:]]  # the first configuration again once the cache is full
+    for i, blob in enumerate(order):
+        current["blob"] = blob
+        line = compile_cache.save_compile_cache(tmp_path, cpu, step=i, shared=True)
+        assert line.startswith("compile cache unchanged:" if i == kept else "compile cache saved:")
+        os.utime(Path(line.split()[-1]).parent, (i, i))  # mtimes in order, whatever the clock's resolution
+    (setup,) = tmp_path.iterdir()  # one folder for this PyTorch, Triton and device
+    assert "torch-" in setup.name and "device-cpu" in setup.name
+    loaded: list[bytes] = []
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda blob: loaded.append(blob) or info)
+    ok, lines = compile_cache.load_shared_compile_cache(tmp_path, cpu)
+    assert ok and len(lines) == kept
+    assert all(line.startswith("compile cache loaded:") for line in lines)
+    # newest first: the two saved after the first configuration's second save, that one, then the newest before
+    assert loaded == [blobs[kept + 1], blobs[kept], blobs[0], blobs[kept - 1]]
+    assert len(list(setup.iterdir())) == kept
+    assert compile_cache.load_shared_compile_cache(tmp_path / "nothing", cpu) == (False, [])
 
 
 def test_after_the_warm_up_a_step_that_records_cuda_graphs_again_is_named_once(monkeypatch) -> None:

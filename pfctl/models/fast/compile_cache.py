@@ -6,13 +6,18 @@ compiled or loaded (PyTorch's "mega-cache": the AOTAutograd and Inductor graph c
 kernels and tuning results) to a file, and :func:`load_compile_cache` puts a file's artifacts into this
 machine's caches before the first compilation, so the compiled blocks hit them. The record beside it names
 what wrote it (PyTorch, Triton, GPU model) and the file's SHA-256; a file from another setup or a damaged one
-is left unloaded and said so, and the run compiles as if there were none.
+is left unloaded and said so, and the run compiles as if there were none. The same
+artifacts can also be kept in a cache shared by a user's runs (``train.compile_cache_shared``): a few entries
+per setup, each one configuration's, all loaded by a run that has no cache of its own.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +31,7 @@ __all__ = [
     "compile_cache_identity",
     "describe_compile_cache",
     "load_compile_cache",
+    "load_shared_compile_cache",
     "save_compile_cache",
 ]
 
@@ -57,29 +63,74 @@ def compile_cache_identity(device: torch.device) -> dict[str, str | None]:
     return {"torch": torch.__version__, "triton": triton_version, "device": gpu or device.type}
 
 
-def save_compile_cache(directory: str | Path, device: torch.device, step: int) -> str | None:
+def save_compile_cache(
+    directory: str | Path, device: torch.device, step: int, *, shared: bool = False
+) -> str | None:
     """Write this process's cache artifacts to ``directory`` (the artifacts first, then their record, each
     atomically: a killed write leaves the previous pair or a record whose hash the new file fails). Returns
-    the log line, or None when nothing was compiled."""
+    the log line, or None when nothing was compiled.
+
+    ``shared``: ``directory`` is the root of a cache shared by runs (:func:`load_shared_compile_cache`): the
+    artifacts go to an entry of their own, named by their hash, in this setup's folder, and only the newest
+    :data:`SHARED_ENTRIES` entries are kept, so runs of different configurations do not overwrite each other's."""
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return None
     blob, info = saved
+    digest = hashlib.sha256(blob).hexdigest()
+    if shared:
+        directory = _shared_setup(directory, device) / digest[:16]
     files = CompileCacheFiles(Path(directory))
     counts = _counts(info)
-    digest = hashlib.sha256(blob).hexdigest()
     if files.artifacts.is_file() and _read_record(files).get("sha256") == digest == sha256_file(files.artifacts):
-        return f"compile cache unchanged: {_describe(counts)} in {files.artifacts}"
-    atomic_write_bytes(files.artifacts, blob)
-    record = {
-        **compile_cache_identity(device),
-        "sha256": digest,
-        "bytes": len(blob),
-        "artifacts": counts,
-        "step": step,
-    }
-    atomic_write_json(files.record, record)
-    return f"compile cache saved: {_describe(counts)}, {len(blob) / 2**20:.1f} MiB -> {files.artifacts}"
+        line = f"compile cache unchanged: {_describe(counts)} in {files.artifacts}"
+    else:
+        atomic_write_bytes(files.artifacts, blob)
+        record = {
+            **compile_cache_identity(device),
+            "sha256": digest,
+            "bytes": len(blob),
+            "artifacts": counts,
+            "step": step,
+        }
+        atomic_write_json(files.record, record)
+        line = f"compile cache saved: {_describe(counts)}, {len(blob) / 2**20:.1f} MiB -> {files.artifacts}"
+    if shared:
+        os.utime(files.directory)  # the newest entry, also when unchanged
+        for stale in _shared_entries(files.directory.parent)[SHARED_ENTRIES:]:
+            shutil.rmtree(stale, ignore_errors=True)
+    return line
+
+
+#: How many entries (the artifacts of one configuration each) a shared cache keeps per setup.
+SHARED_ENTRIES = 4
+
+
+def _shared_setup(root: str | Path, device: torch.device) -> Path:
+    """The folder under ``root`` (``~`` expanded) for this setup's entries: one per PyTorch, Triton and GPU
+    model, so setups that share ``root`` do not displace each other's entries."""
+    name = "_".join(f"{key}-{value}" for key, value in compile_cache_identity(device).items())
+    return Path(root).expanduser() / re.sub(r"[^A-Za-z0-9.+-]+", "-", name)
+
+
+def _shared_entries(setup: Path) -> list[Path]:
+    """The entries of a setup's folder, the most recently saved first."""
+    try:
+        entries = [entry for entry in setup.iterdir() if entry.is_dir()]
+    except OSError:
+        return []
+    return sorted(entries, key=lambda entry: entry.stat().st_mtime, reverse=True)
+
+
+def load_shared_compile_cache(root: str | Path, device: torch.device) -> tuple[bool, list[str]]:
+    """Load the entries of the shared cache at ``root`` for this setup (:func:`save_compile_cache` with
+    ``shared``), the newest first. Returns whether any loaded, and the lines to log (none: no entry)."""
+    loaded, lines = False, []
+    for entry in _shared_entries(_shared_setup(root, device))[:SHARED_ENTRIES]:
+        ok, line = load_compile_cache(entry, device)
+        loaded |= ok
+        lines += [line] if line is not None else []
+    return loaded, lines
 
 
 def load_compile_cache(directory: str | Path, device: torch.device) -> tuple[bool, str | None]:
@@ -110,12 +161,14 @@ def load_compile_cache(directory: str | Path, device: torch.device) -> tuple[boo
     return True, f"compile cache loaded: {_describe(_counts(info))} from {files.artifacts}"
 
 
-def describe_compile_cache(directory: str | Path) -> str:
-    """What ``directory`` holds for a run to load (``pfctl train --dry-run``): the record's setup and step."""
+def describe_compile_cache(directory: str | Path, shared: str | Path | None = None) -> str:
+    """What ``directory`` holds for a run to load (``pfctl train --dry-run``): the record's setup and step;
+    without one, where the shared cache is (``shared``: its root, whose entries for the run's setup it loads)."""
     files = CompileCacheFiles(Path(directory))
     record = _read_record(files)
     if not record:
-        return "no compile cache yet (saved when the warm-up ends)"
+        where = f"; until then the entries of the shared cache {shared} for its setup" if shared is not None else ""
+        return f"no compile cache of this run yet (saved when the warm-up ends){where}"
     setup = ", ".join(f"{key} {record.get(key)}" for key in ("torch", "triton", "device"))
     return f"compile cache {files.artifacts} ({setup}; written at step {record.get('step')})"
 
