@@ -70,7 +70,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its neighbours: the report, graph events
 
-from train_report import Measured, reference_rows, report_rows
+from train_report import Measured, Profiled, reference_rows, report_rows
 
 
 def dit_flops_per_forward(cfg: dict, records: list[dict], text_len: int) -> float:
@@ -466,7 +466,7 @@ def run_step(
     if cuda and i == setting.warmup - 1:  # the last warm-up step counts the host's waits for the GPU
         metrics, out.syncs = counting_syncs(trainer.train_step)
     elif i + 1 == setting.profile_step:
-        metrics = profile_step(trainer, cuda)
+        metrics, _ = profile_step(trainer, cuda)
     else:
         metrics = trainer.train_step()
     trainer.losses.append(metrics["loss"])
@@ -524,9 +524,9 @@ def step_phase(index: int, warmup: int, ends: tuple[int, ...] = ()) -> str:
     return f"steps {start}-{end} (warm-up)"
 
 
-def profile_step(trainer: Any, cuda: bool, trace: str | None = None) -> dict:
+def profile_step(trainer: Any, cuda: bool, trace: str | None = None) -> tuple[dict, Profiled | None]:
     """One ``train_step`` under the profiler: the top operators by GPU and by host time, the GPU's busy share;
-    returns the step's metrics."""
+    returns the step's metrics and (CUDA) its times."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -557,7 +557,7 @@ def profile_step(trainer: Any, cuda: bool, trace: str | None = None) -> dict:
         )
     if trace is not None:
         prof.export_chrome_trace(trace)
-    return metrics
+    return metrics, Profiled(wall_s, busy_s, work_s) if cuda else None
 
 
 # the host calls that wait for the GPU: syncs, device-to-host copies, and a launch into a full queue
@@ -607,8 +607,7 @@ def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tup
     if not args.no_checkpoint:
         trainer.finish_checkpoints()
     written_s = time.perf_counter() - tic  # until the checkpoint is committed (the same with blocking saves)
-    if args.profile:
-        profile_step(trainer, setting.cuda, args.trace)
+    profiled = profile_step(trainer, setting.cuda, args.trace)[1] if args.profile else None
     if bypasses is not None:  # --compile-times
         print_compile_times(bypasses)
     run = Measured(
@@ -616,6 +615,7 @@ def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tup
         rss_gib=None if setting.cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # KiB
         device_name=torch.cuda.get_device_name() if setting.cuda else "cpu",
         world=trainer.runtime.world_size, precision=trainer.runtime.mixed_precision, cfg=trainer.cfg,
+        profiled=profiled,
     )  # fmt: skip
     trainer.close()
     return report_rows(run, config, setting, args)

@@ -49,6 +49,16 @@ def across_processes(values: list[float], op: str) -> list[float]:
     return t.tolist()
 
 
+@dataclass(frozen=True)
+class Profiled:
+    """The step run under the profiler (``--profile``, CUDA): its time, the GPU's busy time, and the host's own
+    work in it, less its waits for the GPU (seconds)."""
+
+    wall_s: float
+    gpu_busy_s: float
+    host_work_s: float
+
+
 @dataclass
 class Measured:
     """What one process measured (:func:`measure`), for :func:`report_rows`."""
@@ -63,6 +73,7 @@ class Measured:
     world: int
     precision: str
     cfg: Any  # the trainer's settled train config
+    profiled: Profiled | None = None
 
 
 def report_rows(run: Measured, config: Any, setting: Setting, args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -120,6 +131,7 @@ def report_rows(run: Measured, config: Any, setting: Setting, args: argparse.Nam
         ("analytic model TFLOP/s per GPU (attention, text)", f"{sum(analytic[i] for i in timed) / seconds / 1e12:.3g}"),
         # on CUDA train_step returns once the optimizer update is queued (the GPU may still run it)
         ("host busy fraction of the step", f"{statistics.median(host_max[i] / step_max[i] for i in timed):.0%}"),
+        ("profiled step (--profile)", profiled_row(run.profiled)),
         ("batch loading / step (host)", f"{statistics.median(load_max[i] for i in timed) * 1e3:.1f} ms"),
         ("Python GC: step 1 / rest of warm-up / timed", gc_row(t, setting.warmup)),
         ("blocking host syncs / step", sync_row(t.syncs)),
@@ -129,6 +141,17 @@ def report_rows(run: Measured, config: Any, setting: Setting, args: argparse.Nam
         ("step times (s, in order)", " ".join(f"{x:.2f}" for x in step_max)),
         ("CUDA graphs in the timed steps", graph_row(t, setting.warmup)),
     ]  # fmt: skip
+
+
+def profiled_row(profiled: Profiled | None) -> str:
+    """The profiled step's GPU busy share, and the host's own work against the GPU's busy time."""
+    if profiled is None:
+        return "not profiled"
+    busy, work = profiled.gpu_busy_s, profiled.host_work_s
+    return (
+        f"{profiled.wall_s * 1e3:.1f} ms, the GPU busy {busy / profiled.wall_s:.0%}; the host's own work "
+        f"(less its waits for the GPU) {work * 1e3:.1f} ms, {work / busy:.0%} of the GPU's busy time"
+    )
 
 
 def graph_row(t: Timings, warmup: int) -> str:
