@@ -131,7 +131,7 @@ def report_rows(run: Measured, config: Any, setting: Setting, args: argparse.Nam
         ("analytic model TFLOP/s per GPU (attention, text)", f"{sum(analytic[i] for i in timed) / seconds / 1e12:.3g}"),
         # on CUDA train_step returns once the optimizer update is queued (the GPU may still run it)
         ("host busy fraction of the step", f"{statistics.median(host_max[i] / step_max[i] for i in timed):.0%}"),
-        ("profiled step (--profile)", profiled_row(run.profiled)),
+        ("profiled step (--profile)", profiled_row(run.profiled) if setting.cuda else "n/a (CUDA only)"),
         ("batch loading / step (host)", f"{statistics.median(load_max[i] for i in timed) * 1e3:.1f} ms"),
         ("Python GC: step 1 / rest of warm-up / timed", gc_row(t, setting.warmup)),
         ("blocking host syncs / step", sync_row(t.syncs)),
