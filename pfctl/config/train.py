@@ -264,8 +264,8 @@ class TrainConfig(Section):
     """With ``compile_cache``: the same artifacts also kept here for all your runs, one folder per PyTorch,
     Triton and GPU model. A run whose output directory holds no cache (a new run) loads this one, so only the
     first run of a setup pays the cold compilation; on a cluster, a folder every node sees (the home directory
-    is one) does the same for runs on other nodes. Each run adds what it compiled to what it loaded. ``null``:
-    none kept."""
+    is one) does the same for runs on other nodes. Each configuration's artifacts are an entry of their own;
+    the newest 4 entries per setup are kept and all of them loaded. ``null``: none kept."""
     gc_every: int = Field(default=50, ge=0)
     """Python's cyclic garbage collection during training: its automatic passes off, everything collected
     once when the warm-up ends and the young objects every N steps (torchtitan's ``gc_freq``), so no pass over

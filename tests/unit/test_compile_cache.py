@@ -210,7 +210,8 @@ def test_the_shared_cache_keeps_one_entry_per_configuration_the_newest_few(
 ) -> None:
     """Each configuration's artifacts are an entry of their own in the setup's folder, named by their hash:
     saving the same artifacts again writes nothing but makes that entry the newest; past
-    ``SHARED_ENTRIES`` the oldest go. A run loads every entry kept, the newest first."""
+    ``SHARED_ENTRIES`` the oldest go. A run loads every entry kept, the newest first, and passes over one that
+    disappears while it looks."""
     from types import SimpleNamespace
 
     from pfctl.models.fast import compile_cache
@@ -229,6 +230,7 @@ def test_the_shared_cache_keeps_one_entry_per_configuration_the_newest_few(
         os.utime(Path(line.split()[-1]).parent, (i, i))  # mtimes in order, whatever the clock's resolution
     (setup,) = tmp_path.iterdir()  # one folder for this PyTorch, Triton and device
     assert "torch-" in setup.name and "device-cpu" in setup.name
+    (setup / "removed meanwhile").symlink_to(tmp_path / "gone")  # an entry another run prunes as this one lists
     loaded: list[bytes] = []
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda blob: loaded.append(blob) or info)
     ok, lines = compile_cache.load_shared_compile_cache(tmp_path, cpu)
@@ -236,7 +238,7 @@ def test_the_shared_cache_keeps_one_entry_per_configuration_the_newest_few(
     assert all(line.startswith("compile cache loaded:") for line in lines)
     # newest first: the two saved after the first configuration's second save, that one, then the newest before
     assert loaded == [blobs[kept + 1], blobs[kept], blobs[0], blobs[kept - 1]]
-    assert len(list(setup.iterdir())) == kept
+    assert len([entry for entry in setup.iterdir() if entry.is_dir()]) == kept
     assert compile_cache.load_shared_compile_cache(tmp_path / "nothing", cpu) == (False, [])
 
 

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,12 +115,21 @@ def _shared_setup(root: str | Path, device: torch.device) -> Path:
 
 
 def _shared_entries(setup: Path) -> list[Path]:
-    """The entries of a setup's folder, the most recently saved first."""
+    """The entries of a setup's folder, the most recently saved first (one that another run removes meanwhile
+    is left out)."""
     try:
-        entries = [entry for entry in setup.iterdir() if entry.is_dir()]
+        entries = list(setup.iterdir())
     except OSError:
         return []
-    return sorted(entries, key=lambda entry: entry.stat().st_mtime, reverse=True)
+    saved = []
+    for entry in entries:
+        try:
+            info = entry.stat()
+        except OSError:
+            continue
+        if stat.S_ISDIR(info.st_mode):
+            saved.append((info.st_mtime, entry))
+    return [entry for _, entry in sorted(saved, key=lambda pair: pair[0], reverse=True)]
 
 
 def load_shared_compile_cache(root: str | Path, device: torch.device) -> tuple[bool, list[str]]:
