@@ -34,11 +34,10 @@ class CompileCacheSite:
         from pfctl.models.fast.compile_cache import load_compile_cache, load_shared_compile_cache
 
         loaded, line = load_compile_cache(self.directory, self.device)
-        lines = [(loaded, line)] if line is not None else []
+        outcomes = [(loaded, line)] if line is not None else []
         if not loaded and self.shared is not None:
-            shared, shared_lines = load_shared_compile_cache(self.shared, self.device)
-            lines += [(shared, text) for text in shared_lines]
-        for ok, text in lines:
+            outcomes += load_shared_compile_cache(self.shared, self.device)
+        for ok, text in outcomes:
             (pflog.log if ok else pflog.warn)(text)
 
     def save(self, step: int) -> None:

@@ -81,8 +81,8 @@ def test_saved_artifacts_make_a_process_with_empty_caches_skip_the_compilation(t
     # a new run (no cache of its own) on a third machine, from the cache the first run shared
     assert shared.startswith("compile cache saved:")
     third = _compile("load-shared", tmp_path / "run-shared", tmp_path / "machine-c")
-    [(loaded, lines)] = third["lines"]
-    assert loaded and len(lines) == 1 and lines[0].startswith("compile cache loaded:")
+    [[(loaded, line)]] = third["lines"]
+    assert loaded and line.startswith("compile cache loaded:")
     assert third["inductor"].get("fxgraph_cache_miss", 0) == 0
     assert third["inductor"].get("fxgraph_cache_hit", 0) >= 1
 
@@ -182,7 +182,7 @@ def test_a_run_without_a_cache_of_its_own_loads_the_shared_one_and_saves_into_bo
     monkeypatch.setattr(pflog, "log", lambda message, **_: said.append(message))
     monkeypatch.setattr(pflog, "warn", lambda message: said.append("warn: " + message))
     own, shared = tmp_path / "run", tmp_path / "shared"
-    monkeypatch.setattr(compile_cache, "load_shared_compile_cache", lambda root, dev: (True, [f"shared {root}"]))
+    monkeypatch.setattr(compile_cache, "load_shared_compile_cache", lambda root, dev: [(True, f"shared {root}")])
     site = CompileCacheSite(own, torch.device("cpu"), writes=True, shared=shared)
 
     monkeypatch.setattr(compile_cache, "load_compile_cache", lambda d, dev: (True, f"own {d}"))
@@ -233,13 +233,13 @@ def test_the_shared_cache_keeps_one_entry_per_configuration_the_newest_few(
     (setup / "removed meanwhile").symlink_to(tmp_path / "gone")  # an entry another run prunes as this one lists
     loaded: list[bytes] = []
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda blob: loaded.append(blob) or info)
-    ok, lines = compile_cache.load_shared_compile_cache(tmp_path, cpu)
-    assert ok and len(lines) == kept
-    assert all(line.startswith("compile cache loaded:") for line in lines)
+    outcomes = compile_cache.load_shared_compile_cache(tmp_path, cpu)
+    assert len(outcomes) == kept
+    assert all(ok and line.startswith("compile cache loaded:") for ok, line in outcomes)
     # newest first: the two saved after the first configuration's second save, that one, then the newest before
     assert loaded == [blobs[kept + 1], blobs[kept], blobs[0], blobs[kept - 1]]
     assert len([entry for entry in setup.iterdir() if entry.is_dir()]) == kept
-    assert compile_cache.load_shared_compile_cache(tmp_path / "nothing", cpu) == (False, [])
+    assert compile_cache.load_shared_compile_cache(tmp_path / "nothing", cpu) == []
 
 
 def test_after_the_warm_up_a_step_that_records_cuda_graphs_again_is_named_once(monkeypatch) -> None:

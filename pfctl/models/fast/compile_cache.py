@@ -14,6 +14,7 @@ per setup, each one configuration's, all loaded by a run that has no cache of it
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -132,15 +133,12 @@ def _shared_entries(setup: Path) -> list[Path]:
     return [entry for _, entry in sorted(saved, key=lambda pair: pair[0], reverse=True)]
 
 
-def load_shared_compile_cache(root: str | Path, device: torch.device) -> tuple[bool, list[str]]:
+def load_shared_compile_cache(root: str | Path, device: torch.device) -> list[tuple[bool, str]]:
     """Load the entries of the shared cache at ``root`` for this setup (:func:`save_compile_cache` with
-    ``shared``), the newest first. Returns whether any loaded, and the lines to log (none: no entry)."""
-    loaded, lines = False, []
-    for entry in _shared_entries(_shared_setup(root, device))[:SHARED_ENTRIES]:
-        ok, line = load_compile_cache(entry, device)
-        loaded |= ok
-        lines += [line] if line is not None else []
-    return loaded, lines
+    ``shared``), the newest first. Returns each entry's outcome as :func:`load_compile_cache` gives it (none:
+    no entry)."""
+    outcomes = (load_compile_cache(entry, device) for entry in _shared_entries(_shared_setup(root, device)))
+    return [(ok, line) for ok, line in itertools.islice(outcomes, SHARED_ENTRIES) if line is not None]
 
 
 def load_compile_cache(directory: str | Path, device: torch.device) -> tuple[bool, str | None]:
