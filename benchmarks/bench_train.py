@@ -93,7 +93,7 @@ def dit_flops_per_forward(cfg: dict, records: list[dict], text_len: int) -> floa
 def counting_syncs(step: Callable[[], Any]) -> tuple[Any, list[str]]:
     """``step()`` under CUDA's sync debug mode: its result and where each call in it made the host wait for
     the GPU (``.item()``, ``float(t)``, device-to-host and pageable host-to-device copies): the last pfctl
-    line on the stack (``pfctl/training/trainer.py:210``), else the line the warning names."""
+    line on the stack (``pfctl/training/trainer.py:210``), else its innermost frames (:func:`outside_pfctl`)."""
     import torch
 
     from pfctl.runtime.logging import own_line
@@ -103,7 +103,7 @@ def counting_syncs(step: Callable[[], Any]) -> tuple[Any, list[str]]:
     def note(message: Any, category: Any, filename: str, lineno: int, *_: Any) -> None:
         if "called a synchronizing" in str(message):  # (not the mode's own "prototype" notice)
             frames = traceback.extract_stack()[:-1]
-            sites.append(own_line(frames) or outside_pfctl(frames) or f"{Path(filename).name}:{lineno}")
+            sites.append(own_line(frames) or outside_pfctl(frames))
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -116,16 +116,17 @@ def counting_syncs(step: Callable[[], Any]) -> tuple[Any, list[str]]:
     return result, sites
 
 
-def outside_pfctl(frames: list[traceback.FrameSummary]) -> str | None:
+def outside_pfctl(frames: list[traceback.FrameSummary]) -> str:
     """A wait with no pfctl line on its thread's stack: its innermost two frames, each as ``package/FILE:LINE
     function`` (under site-packages) or ``FILE:LINE function``, innermost first."""
+
     def site(frame: traceback.FrameSummary) -> str:
         parts = Path(frame.filename).parts
         under = parts[parts.index("site-packages") + 1 :] if "site-packages" in parts else parts[-1:]
         return f"{'/'.join(under)}:{frame.lineno} {frame.name}"
 
     inner = [f for f in frames if "warnings" not in Path(f.filename).name][-2:]
-    return " <- ".join(site(f) for f in reversed(inner)) or None
+    return " <- ".join(site(f) for f in reversed(inner))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -541,7 +542,7 @@ def profile_step(trainer: Any, cuda: bool, trace: str | None = None) -> tuple[di
     print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
     if cuda:  # under the profiler the host is slower: a low figure may be the profiler's own cost
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
-        from kernel_profile import gpu_busy_seconds
+        from kernel_profile import gpu_busy_seconds, host_work_seconds
 
         events = prof.events()
         busy_s = gpu_busy_seconds(events)
@@ -558,22 +559,6 @@ def profile_step(trainer: Any, cuda: bool, trace: str | None = None) -> tuple[di
     if trace is not None:
         prof.export_chrome_trace(trace)
     return metrics, Profiled(wall_s, busy_s, work_s) if cuda else None
-
-
-# the host calls that wait for the GPU: syncs, device-to-host copies, and a launch into a full queue
-GPU_WAITS = (
-    "cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync",
-    "cudaMemcpy", "Command Buffer Full",
-)  # fmt: skip
-
-
-def host_work_seconds(events: Any) -> float:
-    """Seconds the host's threads spent in a profiled step's own work: every CPU event's self time, less the
-    calls that wait for the GPU (:data:`GPU_WAITS`)."""
-    import torch
-
-    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
-    return sum(e.self_cpu_time_total for e in cpu if e.name not in GPU_WAITS) / 1e6
 
 
 def measure(config: Any, setting: Setting, args: argparse.Namespace) -> list[tuple[str, str]]:

@@ -2,7 +2,8 @@
 
 One profiler pass (CUDA activity only, so the host-side cost of profiling stays small) over ``repeats``
 calls; kernels are sorted into kinds by name (first match wins), the GPU's busy time is the union of the
-kernels' intervals, and the costliest kernels are listed by name.
+kernels' intervals, and the costliest kernels are listed by name. The host's own work in a profiled step
+is its CPU time less the calls that wait for the GPU.
 """
 
 from __future__ import annotations
@@ -78,6 +79,20 @@ def gpu_busy_seconds(events: Iterable) -> float:
             busy_us += end - max(start, reached)
             reached = end
     return busy_us / 1e6
+
+
+# the host calls that wait for the GPU: syncs, device-to-host copies, and a launch into a full queue
+GPU_WAITS = (
+    "cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync",
+    "cudaMemcpy", "Command Buffer Full",
+)  # fmt: skip
+
+
+def host_work_seconds(events: Iterable) -> float:
+    """Seconds the host's threads spent in a profiled step's own work: every CPU event's self time, less the
+    calls that wait for the GPU (:data:`GPU_WAITS`)."""
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    return sum(e.self_cpu_time_total for e in cpu if e.name not in GPU_WAITS) / 1e6
 
 
 def print_breakdown(label: str, profile: dict) -> None:
