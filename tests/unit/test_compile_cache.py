@@ -14,8 +14,9 @@ import torch
 from pfctl.models.fast.compile_cache import CompileCacheFiles, compile_cache_identity, load_compile_cache
 from pfctl.utils.io import current_umask, sha256_file
 
-# One process compiles a small function with Inductor (CPU code), saves the artifacts twice, and prints the
-# two log lines and its compiler counters; run with "load" it loads them first into its own empty caches.
+# One process compiles a small function with Inductor (CPU code), saves the artifacts twice and into the cache
+# shared at DIRECTORY-shared, and prints the log lines and its compiler counters; run with "load" it loads them
+# first into its own empty caches, with "load-shared" it loads the shared cache first and then saves into it.
 _COMPILE = """
 import json, sys
 import torch
@@ -27,12 +28,13 @@ lines = []
 if mode == "load":
     lines.append(load_compile_cache(directory, torch.device("cpu")))
 if mode == "load-shared":
-    lines.append(load_shared_compile_cache(directory, torch.device("cpu")))
+    lines.append(load_shared_compile_cache(directory + "-shared", torch.device("cpu")))
 f = torch.compile(lambda x: x @ x.t(), backend="inductor", dynamic=False)  # one library call: no C++ to build
 with torch.no_grad():
     f(torch.randn(4, 8))
 if mode == "save":
     lines += [save_compile_cache(directory, torch.device("cpu"), step=7) for _ in range(2)]
+if mode in ("save", "load-shared"):
     lines.append(save_compile_cache(directory + "-shared", torch.device("cpu"), step=7, shared=True))
 print(json.dumps({"lines": lines, "inductor": dict(counters["inductor"])}))
 """
@@ -80,11 +82,15 @@ def test_saved_artifacts_make_a_process_with_empty_caches_skip_the_compilation(t
 
     # a new run (no cache of its own) on a third machine, from the cache the first run shared
     assert shared.startswith("compile cache saved:")
-    third = _compile("load-shared", tmp_path / "run-shared", tmp_path / "machine-c")
-    [[(loaded, line)]] = third["lines"]
+    third = _compile("load-shared", tmp_path / "run", tmp_path / "machine-c")
+    [(loaded, line)], saved_again = third["lines"]
     assert loaded and line.startswith("compile cache loaded:")
     assert third["inductor"].get("fxgraph_cache_miss", 0) == 0
     assert third["inductor"].get("fxgraph_cache_hit", 0) >= 1
+    # the same configuration: its entry again, not one more
+    assert saved_again.split()[-1] == shared.split()[-1]
+    (setup,) = (tmp_path / "run-shared").iterdir()
+    assert len(list(setup.iterdir())) == 1
 
 
 def _write_cache(directory: Path, blob: bytes, **record: object) -> CompileCacheFiles:
@@ -208,36 +214,46 @@ def test_a_run_without_a_cache_of_its_own_loads_the_shared_one_and_saves_into_bo
 def test_the_shared_cache_keeps_one_entry_per_configuration_the_newest_few(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each configuration's artifacts are an entry of their own in the setup's folder, named by their hash:
-    saving the same artifacts again writes nothing but makes that entry the newest; past
+    """Each configuration's artifacts are an entry of their own in the setup's folder, named by their cache keys:
+    saving the same artifacts again writes nothing but makes that entry the newest, and a later run of a
+    configuration (the same keys, other bytes: its kernels' tuning records) replaces its entry; past
     ``SHARED_ENTRIES`` the oldest go. A run loads every entry kept, the newest first, and passes over one that
     disappears while it looks."""
     from types import SimpleNamespace
 
     from pfctl.models.fast import compile_cache
 
-    blobs = [f"artifacts of configuration {i}".encode() for i in range(compile_cache.SHARED_ENTRIES + 2)]
-    current = {"blob": blobs[0]}
-    info = SimpleNamespace(artifacts={"inductor": ["key"]})
-    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (current["blob"], info))
-    cpu = torch.device("cpu")
     kept = compile_cache.SHARED_ENTRIES
-    order = [*blobs[:kept], blobs[0], *blobs[kept:]]  # the first configuration again once the cache is full
-    for i, blob in enumerate(order):
-        current["blob"] = blob
+    configurations = [
+        SimpleNamespace(artifacts={"inductor": [f"graph {i}", "graph shared"], "autotune": [f"kernel {i}"]})
+        for i in range(kept + 2)
+    ]
+    current: dict = {}
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (current["blob"], current["info"]))
+    cpu = torch.device("cpu")
+    # the first configuration again once the cache is full, then once more with other tuning records
+    order = [*range(kept), 0, 0, *range(kept, kept + 2)]
+    entries = []
+    for i, configuration in enumerate(order):
+        current["info"] = configurations[configuration]
+        current["blob"] = f"artifacts of configuration {configuration}, run {i if i > kept else 0}".encode()
         line = compile_cache.save_compile_cache(tmp_path, cpu, step=i, shared=True)
         assert line.startswith("compile cache unchanged:" if i == kept else "compile cache saved:")
-        os.utime(Path(line.split()[-1]).parent, (i, i))  # mtimes in order, whatever the clock's resolution
+        entries.append(Path(line.split()[-1]).parent)
+        os.utime(entries[-1], (i, i))  # mtimes in order, whatever the clock's resolution
+    assert entries[kept] == entries[kept + 1] == entries[0]  # one entry for the first configuration's runs
     (setup,) = tmp_path.iterdir()  # one folder for this PyTorch, Triton and device
     assert "torch-" in setup.name and "device-cpu" in setup.name
     (setup / "removed meanwhile").symlink_to(tmp_path / "gone")  # an entry another run prunes as this one lists
     loaded: list[bytes] = []
-    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda blob: loaded.append(blob) or info)
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda blob: loaded.append(blob) or configurations[0])
     outcomes = compile_cache.load_shared_compile_cache(tmp_path, cpu)
     assert len(outcomes) == kept
     assert all(ok and line.startswith("compile cache loaded:") for ok, line in outcomes)
-    # newest first: the two saved after the first configuration's second save, that one, then the newest before
-    assert loaded == [blobs[kept + 1], blobs[kept], blobs[0], blobs[kept - 1]]
+    # newest first: the two saved after the first configuration's last run, that run, then the newest before
+    newest_first = [entries[i].joinpath("compile-cache.bin").read_bytes() for i in (-1, -2, kept + 1, kept - 1)]
+    assert loaded == newest_first
+    assert newest_first[2] == f"artifacts of configuration 0, run {kept + 1}".encode()
     assert len([entry for entry in setup.iterdir() if entry.is_dir()]) == kept
     assert compile_cache.load_shared_compile_cache(tmp_path / "nothing", cpu) == []
 

@@ -73,15 +73,16 @@ def save_compile_cache(
     the log line, or None when nothing was compiled.
 
     ``shared``: ``directory`` is the root of a cache shared by runs (:func:`load_shared_compile_cache`): the
-    artifacts go to an entry of their own, named by their hash, in this setup's folder, and only the newest
-    :data:`SHARED_ENTRIES` entries are kept, so runs of different configurations do not overwrite each other's."""
+    artifacts go to their configuration's entry in this setup's folder (:func:`_configuration`), and only the
+    newest :data:`SHARED_ENTRIES` entries are kept, so runs of different configurations do not overwrite each
+    other's, and runs of one configuration keep one entry."""
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return None
     blob, info = saved
     digest = hashlib.sha256(blob).hexdigest()
     if shared:
-        directory = _shared_setup(directory, device) / digest[:16]
+        directory = _shared_setup(directory, device) / _configuration(info)
     files = CompileCacheFiles(Path(directory))
     counts = _counts(info)
     if files.artifacts.is_file() and _read_record(files).get("sha256") == digest == sha256_file(files.artifacts):
@@ -106,6 +107,15 @@ def save_compile_cache(
 
 #: How many entries (the artifacts of one configuration each) a shared cache keeps per setup.
 SHARED_ENTRIES = 4
+
+
+def _configuration(info: Any) -> str:
+    """The name of a shared entry: a hash of the artifacts' cache keys, which the compiled graphs and kernels
+    determine. Their bytes do not name a configuration: a later run of the same one stores other tuning
+    timings, and named by them every run would add an entry, until one configuration's runs displaced the
+    others'."""
+    keys = {kind: sorted(keys) for kind, keys in info.artifacts.items() if keys}
+    return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _shared_setup(root: str | Path, device: torch.device) -> Path:
