@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Literal
 
 import torch
@@ -152,9 +152,3 @@ def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
-
-
-def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """``clip_grad_norm_`` over sharded gradients: the total norm of the whole model, on every process."""
-    total = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm)
-    return total.full_tensor() if hasattr(total, "full_tensor") else total

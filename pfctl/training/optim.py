@@ -1,5 +1,5 @@
-"""The optimizer (AdamW | SGD with momentum | Adafactor; decay on matrices only) and the LR schedule
-(linear warmup → constant | cosine).
+"""The optimizer (AdamW | SGD with momentum | Adafactor; decay on matrices only), the gradients' norm and
+clipping, and the LR schedule (linear warmup → constant | cosine).
 
 Optimizer state per trainable parameter, fp32 (what ``train.optimizer`` buys):
 
@@ -18,6 +18,7 @@ so accelerate and checkpoints see a standard scheduler.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -58,6 +59,33 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
     # one fused kernel per step on the GPU (foreach on the CPU); same update, fewer passes over memory
     fused = all(p.is_cuda for group in groups for p in group["params"]) or None
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
+
+
+def gradient_norm(parameters: Iterable[torch.nn.Parameter]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The total 2-norm of the parameters' gradients, as ``clip_grad_norm_`` computes it: (the norm to clip
+    with, the whole model's norm as a plain tensor). With sharded gradients (FSDP2's DTensors) the first is a
+    DTensor and the second its full value, the same on every process (a collective); otherwise they are one."""
+    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+    return norm, (norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+#: How far under ``max_norm`` a norm must be for :func:`clip_gradients` to leave the gradients alone: far more
+#: than fp32 rounds ``clip_grad_norm_``'s factor by, so that factor is exactly 1 there.
+CLIP_MARGIN = 2.0**-16
+
+
+def clip_gradients(
+    parameters: Iterable[torch.nn.Parameter], max_norm: float, norm: torch.Tensor, norm_value: float
+) -> bool:
+    """Scale the gradients by ``clip_grad_norm_``'s factor ``min(1, max_norm / (norm + 1e-6))`` where it can be
+    under 1, as the host's copy of the norm (``norm_value``, read with the step's other numbers) shows. Elsewhere
+    the factor is exactly 1, and the pass over every gradient (a read and a write of each) is left out: the
+    gradients are those ``clip_grad_norm_`` would leave. ``norm``: the norm to clip with
+    (:func:`gradient_norm`). Returns whether it scaled."""
+    if not norm_value + 1e-6 > max_norm * (1 - CLIP_MARGIN):
+        return False
+    torch.nn.utils.clip_grads_with_norm_(list(parameters), max_norm, norm)
+    return True
 
 
 def optimizer_state_bytes(shape: tuple[int, ...], optimizer: str) -> int:

@@ -50,6 +50,7 @@ from pfctl.runtime import faults, sharding
 from pfctl.runtime import logging as pflog
 from pfctl.runtime.collector import Collector
 from pfctl.training import checkpoint as ckpt
+from pfctl.training import optim
 from pfctl.training.build import (
     apply_fast_paths,
     build_model,
@@ -71,7 +72,6 @@ from pfctl.training.data import (
 from pfctl.training.ema import EMA
 from pfctl.training.evaluate import ValidationSamples, heldout_loss, sample_validation
 from pfctl.training.logs import RunLogs, mfu, peak_flops
-from pfctl.training.optim import build_lr_scheduler, build_optimizer, restore_lr_scheduler
 from pfctl.training.plan import (
     check_cache_buckets,
     estimate_for_run,
@@ -202,16 +202,16 @@ class Trainer:
         stats, local_bad, step_ids = self.accumulate_gradients()
         # every rank takes the same decision from the same (all-reduced) numbers
         stats = acc.reduce(stats, reduction="sum")
-        max_norm = cfg.grad_clip if cfg.grad_clip is not None else float("inf")
-        if self.sharded:  # the norm of the whole model from the shards' gradients, on every rank
-            norm = sharding.clip_grad_norm(self.model.parameters(), max_norm)
-        else:
-            norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
+        if not self.sharded:
+            acc.unscale_gradients()  # fp16: the loss scale off the gradients first (a no-op otherwise)
+        clip_norm, norm = optim.gradient_norm(self.model.parameters())  # the whole model's, on every rank
         wait = time.perf_counter()
         totals = torch.cat([stats, norm.reshape(1).to(stats)]).tolist()  # the step's one wait for the GPU
         self.wait_seconds = time.perf_counter() - wait
         mean_loss, grad_norm = totals[0] / world, totals[-1]
         skipped = self.skip_reason(mean_loss, grad_norm, local_bad, step_ids)
+        if skipped is None and cfg.grad_clip is not None:  # a pass over the gradients only where it clips
+            optim.clip_gradients(self.model.parameters(), cfg.grad_clip, clip_norm, grad_norm)
         self.update(skipped)
 
         tokens, samples = totals[-3], totals[-2]
@@ -586,8 +586,8 @@ class Trainer:
         With CUDA graphs the gradients are tensors of their own from the start, zeroed rather than freed after
         each update: the blocks' graphs would leave a first ``.grad`` in their pool, which the next forward
         reuses; the step's graphs add into the tensors they were recorded with."""
-        self.optimizer = self.runtime.accelerator.prepare(build_optimizer(self.model, self.cfg))
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, self.cfg)
+        self.optimizer = self.runtime.accelerator.prepare(optim.build_optimizer(self.model, self.cfg))
+        self.lr_scheduler = optim.build_lr_scheduler(self.optimizer, self.cfg)
         if self.keeps_gradients:
             trained = [p for p in self.model.parameters() if p.requires_grad]
             self.grad_buffers = gradient_buffers(trained)
@@ -654,7 +654,7 @@ class Trainer:
 
     def restore_schedule(self, loaded: ckpt.LoadedCheckpoint) -> None:
         """The checkpoint's step on this run's LR schedule: another ``max_steps`` rescales it (logged)."""
-        lr = restore_lr_scheduler(self.lr_scheduler, loaded.scheduler_state, self.cfg)
+        lr = optim.restore_lr_scheduler(self.lr_scheduler, loaded.scheduler_state, self.cfg)
         was = loaded.train_state.get("max_steps", self.cfg.max_steps)
         if was != self.cfg.max_steps:
             pflog.log(

@@ -223,6 +223,27 @@ def test_every_switch_turns_off(cache: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_gradients_are_clipped_only_in_steps_whose_norm_reaches_the_limit(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``train.grad_clip``: a step whose gradient norm is over the limit scales the gradients; one clearly under
+    it skips the pass over them (the factor would be 1)."""
+    clipped: list[float] = []
+    clip = torch.nn.utils.clip_grads_with_norm_
+
+    def counted(parameters: Any, max_norm: float, norm: torch.Tensor, *args: Any) -> None:
+        clipped.append(max_norm)
+        clip(parameters, max_norm, norm, *args)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", counted)
+    for name, limit in (("over", 1e-6), ("under", 1e6)):
+        api.train(config(cache, tmp_path / name, max_steps=2, grad_clip=limit))
+        norms = [r["grad_norm"] for r in metrics(tmp_path / name) if "grad_norm" in r]
+        assert len(norms) == 2 and all(limit * 10 < n for n in norms) == (name == "over")
+    assert clipped == [1e-6, 1e-6]
+
+
+@pytest.mark.slow
 def test_skip_loss_above_keeps_the_weights(cache: Path, tmp_path: Path) -> None:
     from pfctl.training.trainer import Trainer
 

@@ -1,4 +1,4 @@
-"""AdamW parameter groups, the LR schedule, and the EMA rule."""
+"""AdamW parameter groups, gradient clipping, the LR schedule, and the EMA rule."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from pfctl.training.ema import EMA
 from pfctl.training.optim import (
     build_lr_scheduler,
     build_optimizer,
+    clip_gradients,
+    gradient_norm,
     lr_at,
     param_groups,
     restore_lr_scheduler,
@@ -109,3 +111,37 @@ def test_a_restored_schedule_follows_this_runs_settings(changes: dict) -> None:
     sched.optimizer.step()
     sched.step()
     assert sched.optimizer.param_groups[0]["lr"] == pytest.approx(lr_at(5, new), rel=1e-12)
+
+
+def _with_gradients(seed: int) -> Net:
+    net = Net()
+    gen = torch.Generator().manual_seed(seed)
+    for param in net.parameters():
+        param.grad = torch.randn(param.shape, generator=gen)
+    return net
+
+
+@pytest.mark.parametrize("limit", [4.0, 1.0 + 2.0**-20, 1.0 - 2.0**-20, 0.25])  # x the norm
+def test_gradients_are_clipped_as_clip_grad_norm_does_and_left_alone_where_it_would_not_scale(limit: float) -> None:
+    """``clip_gradients`` leaves the gradients as ``clip_grad_norm_`` would: untouched (no pass over them) where
+    the norm is clearly under the limit, where ``clip_grad_norm_``'s factor is exactly 1; scaled by the same
+    factor where the norm is at the limit or over it. The norm is the whole model's."""
+    net, twin = _with_gradients(0), _with_gradients(0)
+    clip_norm, norm = gradient_norm(net.parameters())
+    assert clip_norm is norm
+    every = torch.cat([p.grad.flatten() for p in net.parameters()])
+    torch.testing.assert_close(norm, torch.linalg.vector_norm(every), rtol=1e-6, atol=0)
+    max_norm = limit * float(norm)
+    before = [p.grad.clone() for p in net.parameters()]
+    scaled = clip_gradients(net.parameters(), max_norm, clip_norm, float(norm))
+    assert scaled is (limit < 2)  # within the margin of the limit it scales, as the factor may round under 1
+    expected_norm = torch.nn.utils.clip_grad_norm_(list(twin.parameters()), max_norm)
+    torch.testing.assert_close(expected_norm, norm, rtol=1e-6, atol=0)
+    for param, ref, old in zip(net.parameters(), twin.parameters(), before, strict=True):
+        if not scaled:  # the factor is exactly 1 there, so clip_grad_norm_'s product is exact
+            assert torch.equal(param.grad, old) and torch.equal(ref.grad, old)
+        # the same two operations on the same values; fp32 rounds the factor and the product once each
+        torch.testing.assert_close(param.grad, ref.grad, rtol=2 * 2.0**-24, atol=0)
+    if limit < 1:
+        clipped = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in net.parameters()]))
+        assert float(clipped) == pytest.approx(max_norm, rel=1e-5)
