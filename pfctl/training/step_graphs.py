@@ -16,12 +16,17 @@ How an input is met:
    never run at the same time, and their intermediates are dead when each ends);
 3. every later time, the batch is copied into those buffers and the graph replayed.
 
-What a recording relies on: the gradients exist before it and are zeroed in place (the backward adds into
-the same tensors every replay: the trainer keeps them), the work depends on nothing but the tensors it is
-given and the weights (no host synchronisation, no randomness, no collective), and its outputs are read
-before the next replay overwrites them (the trainer adds them to the step's totals at once, on the same
-stream). A recording that fails (an operation that cannot be recorded) is reported once, and every input
-runs eagerly from then on.
+What a recording relies on: the gradients exist before it, as tensors the trainer keeps (every replay writes
+into the same ones); the work depends on nothing but the tensors it is given and the weights (no host
+synchronisation, no randomness, no collective); and its outputs are read before the next replay overwrites
+them (the trainer adds them to the step's totals at once, on the same stream). A recording that fails (an
+operation that cannot be recorded) is reported once, and every input runs eagerly from then on.
+
+The first micro-batch of a step replaces the gradients rather than adding to them (``fresh``), so they need
+no zeroing: each parameter's gradient is made anew, as without graphs, and copied into its tensor as soon as
+it is made (a hook after its accumulation), which frees it at once. That is one pass over the gradients
+instead of two (zeroing them, then adding into the zeros), and a parameter the loss does not reach is
+zeroed. The later micro-batches add into them; a signature is recorded once for each way it is called.
 
 With several processes (data parallel) each records its own inputs, and no collective is recorded: the
 DiT runs without its DDP wrapper, the gradients live in one buffer per dtype (:func:`gradient_buffers`),
@@ -32,6 +37,7 @@ overlapped with the backward.
 
 from __future__ import annotations
 
+import functools
 import time
 import traceback
 from collections.abc import Callable
@@ -61,9 +67,9 @@ class StepGraphs:
     signature (tensor shapes, dtypes and devices, and every non-tensor argument), records it right after, and
     replays the recording at that signature from then on.
 
-    ``parameters``: those the work computes gradients for. The recorded backward adds into the gradient
-    tensors they hold when the first graph is recorded; a replay checks that they still hold those (a
-    gradient set to None and made anew would leave the graphs adding into freed memory).
+    ``parameters``: those the work computes gradients for, holding the gradient tensors the recordings write
+    into (:func:`gradient_buffers`); a replay checks that they still hold those (a gradient set to None and
+    made anew would leave the graphs writing into freed memory).
 
     Counts for the log: ``calls``, ``recorded`` graphs, ``replays``, ``recording_s`` (host seconds spent recording);
     ``failure``: why recording stopped (every call eager since), or None."""
@@ -74,7 +80,13 @@ class StepGraphs:
         self.recording_s = 0.0
         self.failure: str | None = None
         self._graphs: dict[tuple, _Recorded] = {}
-        self._grads: list[torch.Tensor | None] = []  # what the recordings add into
+        self._grads = [p.grad for p in parameters]  # what the recordings write into
+        if any(g is None for g in self._grads):
+            raise ValueError("the step's CUDA graphs need the gradients made first (gradient_buffers)")
+        self._into = dict(zip(parameters, self._grads, strict=True))
+        self._fresh = False  # inside a call whose gradients replace the kept ones
+        for p in parameters:
+            p.register_post_accumulate_grad_hook(self._keep)
         self._pool: Any = None
         self._stream: torch.cuda.Stream | None = None
 
@@ -82,16 +94,20 @@ class StepGraphs:
     def recorded(self) -> int:
         return len(self._graphs)
 
-    def __call__(self, work: Callable[..., Any], *args: Any) -> Any:
+    def __call__(self, work: Callable[..., Any], *args: Any, fresh: bool = False) -> Any:
+        """``work(*args)``, eagerly at a new signature (then recorded), else replayed. ``fresh``: its gradients
+        replace those the parameters hold (a step's first micro-batch) instead of adding to them."""
         self.calls += 1
         leaves, spec = flatten_tensors(args)
-        key = signature(leaves, spec)
+        key = (signature(leaves, spec), fresh)
+        if fresh:
+            work = functools.partial(self._replacing, work)
         entry = self._graphs.get(key)
         if entry is not None:
             if any(p.grad is not g for p, g in zip(self.parameters, self._grads, strict=True)):
                 raise RuntimeError(
-                    "the step's CUDA graphs add into gradient tensors that were replaced since they were "
-                    "recorded: zero the gradients in place (optimizer.zero_grad(set_to_none=False))"
+                    "the step's CUDA graphs write into gradient tensors that were replaced since they were "
+                    "recorded: keep them (zero them in place: optimizer.zero_grad(set_to_none=False))"
                 )
             torch._foreach_copy_(entry.inputs, leaves)
             entry.replay()
@@ -122,9 +138,35 @@ class StepGraphs:
             pflog.warn(f"CUDA graphs of the step: recording failed{_where(err)} ({self.failure}); eager steps")
             return
         outputs, out_spec = flatten_tensors(out)
-        if not self._graphs:
-            self._grads = [p.grad for p in self.parameters]
         self._graphs[key] = _Recorded(replay, inputs, outputs, out_spec)
+
+    def _replacing(self, work: Callable[..., Any], *args: Any) -> Any:
+        """``work(*args)`` with every gradient made anew and copied into its kept tensor (:meth:`_keep`); the
+        kept tensor of a parameter the loss does not reach is zeroed."""
+        for p in self.parameters:
+            p.grad = None
+        self._fresh = True
+        try:
+            out = work(*args)
+        except BaseException:  # (no kernel after a failed recording: only the tensors are put back)
+            for p, grad in self._into.items():
+                p.grad = grad
+            raise
+        finally:
+            self._fresh = False
+        for p, grad in self._into.items():
+            if p.grad is None:
+                grad.zero_()
+                p.grad = grad
+        return out
+
+    def _keep(self, param: torch.nn.Parameter) -> None:
+        """After ``param``'s gradient is accumulated: inside a fresh call, a gradient made anew is copied into
+        the kept tensor, which takes its place (the new one is freed at once)."""
+        grad = self._into[param]
+        if self._fresh and param.grad is not grad:
+            grad.copy_(param.grad)
+            param.grad = grad
 
     def capture(self, work: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
         """Record ``work()`` as a CUDA graph on the side stream, in the shared pool
@@ -148,7 +190,7 @@ def _where(err: BaseException) -> str:
 
 def gradient_buffers(parameters: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     """Zeroed gradients for ``parameters``, each a view of one buffer per dtype (the buffers returned, in the
-    order of the parameters' first dtype): what the CUDA graphs add into, replay after replay, and what several
+    order of the parameters' first dtype): what the CUDA graphs write into, replay after replay, and what several
     processes average with one collective per buffer."""
     buffers = []
     for dtype in dict.fromkeys(p.dtype for p in parameters):

@@ -277,12 +277,12 @@ class Trainer:
                 drawn.append((batch, inputs))
                 continue
             with contextlib.nullcontext() if last else self.no_sync():
-                loss, per_stage = self.forward_backward(inputs, TextRows.of(batch), cfg.grad_accum)
+                loss, per_stage = self.forward_backward(inputs, TextRows.of(batch), cfg.grad_accum, micro == 0)
             local_bad |= self.tally(stats, loss, per_stage, cfg.grad_accum)
         if merged:
             batches, parts = zip(*drawn, strict=True)
             text = merged_text_rows(list(batches), columns=len(parts[0].sample))
-            loss, per_stage = self.forward_backward(merge_pyramid_batches(parts), text, 1)
+            loss, per_stage = self.forward_backward(merge_pyramid_batches(parts), text, 1, True)
             local_bad |= self.tally(stats, loss, per_stage, 1)
         if self.step_graphs is not None and self.runtime.world_size > 1:  # (recorded without DDP's all-reduce)
             average_gradients(self.grad_buffers, self.runtime.world_size)
@@ -302,15 +302,15 @@ class Trainer:
         return batch
 
     def forward_backward(
-        self, inputs: PyramidBatch, text: TextRows, parts: int
+        self, inputs: PyramidBatch, text: TextRows, parts: int, first: bool
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """:meth:`loss_and_backward`, under ``train.cuda_graphs=step`` through the step's CUDA graphs
-        (:mod:`pfctl.training.step_graphs`), keyed by the text's valid lengths only where row groups read them."""
+        """:meth:`loss_and_backward`, through the step's CUDA graphs under ``train.cuda_graphs=step`` (keyed by
+        the text's valid lengths only where row groups read them; a step's ``first`` one replaces the gradients)."""
         if self.step_graphs is None:
             return self.loss_and_backward(inputs, text, parts)
         if not self.unwrapped.row_groups_active:
             text = dataclasses.replace(text, text_lengths=None)
-        return self.step_graphs(self.loss_and_backward, inputs, text, parts)
+        return self.step_graphs(self.loss_and_backward, inputs, text, parts, fresh=first)
 
     def loss_and_backward(
         self, inputs: PyramidBatch, text: TextRows, parts: int
@@ -368,7 +368,8 @@ class Trainer:
         with warnings.catch_warnings():  # a skipped update still advances the schedule (by design)
             warnings.simplefilter("ignore", UserWarning)
             self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=not self.keeps_gradients)
+        if self.step_graphs is None:  # (the step's graphs: the next step's first micro-batch replaces them)
+            self.optimizer.zero_grad(set_to_none=not self.keeps_gradients)
         self.step += 1
         if self.ema is not None and self.ema.should_update(self.step):
             self.ema.update(self.trained_state())
@@ -577,15 +578,15 @@ class Trainer:
 
     @property
     def keeps_gradients(self) -> bool:
-        """The gradients are made once and zeroed in place (CUDA graphs add into the same memory each replay)."""
+        """The gradients are made once and kept (CUDA graphs write into the same memory each replay)."""
         return self.graphed or self.cfg.cuda_graphs == "step"  # (settled: CUDA only)
 
     def setup_optimizer(self) -> None:
         """Optimizer + LR schedule, created on the sharded / prepared model's parameters (FSDP needs that).
 
-        With CUDA graphs the gradients are tensors of their own from the start, zeroed rather than freed after
+        With CUDA graphs the gradients are tensors of their own from the start, kept rather than freed after
         each update: the blocks' graphs would leave a first ``.grad`` in their pool, which the next forward
-        reuses; the step's graphs add into the tensors they were recorded with."""
+        reuses (so they are zeroed); the step's graphs write into the tensors they were recorded with."""
         self.optimizer = self.runtime.accelerator.prepare(optim.build_optimizer(self.model, self.cfg))
         self.lr_scheduler = optim.build_lr_scheduler(self.optimizer, self.cfg)
         if self.keeps_gradients:

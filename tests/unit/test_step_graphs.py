@@ -107,6 +107,39 @@ def test_a_replay_refuses_gradients_made_anew(monkeypatch: pytest.MonkeyPatch) -
         graphs(work, batch, 1.0)
 
 
+def test_a_steps_first_call_replaces_the_gradients_in_their_own_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's first micro-batch (``fresh``) replaces whatever the kept gradients hold (here NaN: nothing zeroes
+    them between steps), in the same tensors, each as soon as its parameter's gradient is made (so the new one
+    is freed at once); a parameter the loss does not reach gets zeros; the later micro-batch adds. The fresh and
+    the adding call of one signature are two recordings, then replayed: the gradients follow plain
+    accumulation from None step after step."""
+    monkeypatch.setattr(StepGraphs, "capture", replaying_capture)
+    model, work = _model_and_work()
+    plain, plain_work = _model_and_work()
+    unreached = torch.nn.Parameter(torch.ones(3))
+    unreached.grad = torch.ones(3)
+    params = [*model.parameters(), unreached]
+    kept = [p.grad for p in params]
+    graphs = StepGraphs(torch.device("cpu"), params)
+    in_place = []  # a hook after StepGraphs' own, on the first layer's weight: its gradient already the kept one
+    model[0].weight.register_post_accumulate_grad_hook(lambda w: in_place.append(w.grad is kept[0]))
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        for grad in kept:
+            grad.fill_(float("nan"))
+        plain.zero_grad(set_to_none=True)
+        for micro in range(2):
+            batch = {"x": torch.randn(4, 6, generator=gen), "y": torch.randn(4, 1, generator=gen)}
+            graphs(work, batch, 0.5, fresh=micro == 0)
+            plain_work(batch, 0.5)
+        assert all(p.grad is grad for p, grad in zip(params, kept, strict=True))
+        for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+            assert_rounding_close(p.grad, q.grad, reduction=6 * 5, depth=2)
+        assert torch.equal(unreached.grad, torch.zeros(3))
+    assert (graphs.recorded, graphs.replays, graphs.failure) == (2, 4, None)
+    assert in_place and all(in_place)
+
+
 def test_step_graphs_settle_on_cuda_only_and_refuse_sharding() -> None:
     """``step`` on CUDA settles to the step's graphs, with cuDNN attention for compiled blocks (its host
     cost is recorded away) and merged micro-batches; on the CPU it is ignored with a note; sharding over
