@@ -237,27 +237,30 @@ def test_the_trainer_with_step_graphs_trains_like_without(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_step_graphs_on_cuda_train_like_the_eager_path(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """Recorded for real: eager blocks, compiled blocks (cuDNN attention) and compiled blocks that recompute
-    in backward (activation checkpointing), each with the step's CUDA graphs, two micro-batches merged, bf16
-    autocast; every unit position recorded once and replayed, and the losses follow the eager path without
-    graphs within the rounding of bf16 autocast."""
+    in backward (activation checkpointing), each with the step's CUDA graphs, two micro-batches merged (and,
+    eager, one by one: the first replacing the kept gradients, the second adding), bf16 autocast; every unit
+    position recorded once and replayed, and the losses follow the eager path without graphs within the
+    rounding of bf16 autocast."""
     cache = _one_bucket_cache(tmp_path)
     common = {"lr": 2e-3, "max_steps": 6, "grad_accum": 2, "merge_micro_batches": True, "export": False}
     settings = {
         "eager": {"compile": False, "cuda_graphs": False},
         "eager-step": {"compile": False, "cuda_graphs": "step"},
+        "eager-step-one-by-one": {"compile": False, "cuda_graphs": "step", "merge_micro_batches": False},
         "compiled-step": {"compile": True, "cuda_graphs": "step"},
         "checkpointed-step": {"compile": True, "cuda_graphs": "step", "gradient_checkpointing": True},
     }
     runs = {}
     for name, switch in settings.items():
-        cfg = tiny_train_config(cache, tmp_path / name, **common, **switch)
+        cfg = tiny_train_config(cache, tmp_path / name, **{**common, **switch})
         cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"device": "cuda"})})
         api.train(cfg)
         runs[name] = _losses(tmp_path / name)
         out = capsys.readouterr().out
-        if name != "eager":  # four unit positions, two merged micro-steps a step: two graphs
-            assert "CUDA graphs of the step: 2 recorded" in out, out[-2000:]
-    for name in ("eager-step", "compiled-step", "checkpointed-step"):
+        if name != "eager":  # four unit positions, two merged micro-steps a step: two graphs (one by one: four)
+            recorded = 4 if name.endswith("one-by-one") else 2
+            assert f"CUDA graphs of the step: {recorded} recorded" in out, out[-2000:]
+    for name in ("eager-step", "eager-step-one-by-one", "compiled-step", "checkpointed-step"):
         assert len(runs[name]) == 6
         # bf16 rounds each product's inputs to 8 bits (2^-8 relative); the paths fuse differently
         assert runs[name] == pytest.approx(runs["eager"], rel=2e-2), name
