@@ -22,11 +22,14 @@ synchronisation, no randomness, no collective); and its outputs are read before 
 them (the trainer adds them to the step's totals at once, on the same stream). A recording that fails (an
 operation that cannot be recorded) is reported once, and every input runs eagerly from then on.
 
-The first micro-batch of a step replaces the gradients rather than adding to them (``fresh``), so they need
-no zeroing: each parameter's gradient is made anew, as without graphs, and copied into its tensor as soon as
-it is made (a hook after its accumulation), which frees it at once. That is one pass over the gradients
-instead of two (zeroing them, then adding into the zeros), and a parameter the loss does not reach is
-zeroed. The later micro-batches add into them; a signature is recorded once for each way it is called.
+The first micro-batch of a step replaces the gradients rather than adding to them (``fresh``): the trainer
+does not zero them after an update. Where each input always comes at the same position in a step
+(:func:`records_first_apart`), the first micro-batch is recorded replacing them: each parameter's gradient is
+made anew, as without graphs, and copied into its tensor as soon as it is made (a hook after its
+accumulation), which frees it at once; a parameter the loss does not reach is zeroed. That is one pass over
+the gradients instead of two (zeroing them, then adding into the zeros). Elsewhere an input could come first
+in one step and later in another, and would be recorded twice: there the gradients are zeroed before the
+first micro-batch, outside the graphs, and every micro-batch adds.
 
 With several processes (data parallel) each records its own inputs, and no collective is recorded: the
 DiT runs without its DDP wrapper, the gradients live in one buffer per dtype (:func:`gradient_buffers`),
@@ -42,14 +45,17 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pfctl.models.fast.cuda_graph import flatten_tensors, record_graph, signature, unflatten_tensors
 from pfctl.runtime import logging as pflog
 
-__all__ = ["StepGraphs", "average_gradients", "gradient_buffers"]
+if TYPE_CHECKING:
+    from pfctl.config.train import TrainConfig
+
+__all__ = ["StepGraphs", "average_gradients", "gradient_buffers", "records_first_apart"]
 
 
 @dataclass
@@ -71,11 +77,16 @@ class StepGraphs:
     into (:func:`gradient_buffers`); a replay checks that they still hold those (a gradient set to None and
     made anew would leave the graphs writing into freed memory).
 
+    ``first_apart``: a step's first micro-batch is recorded apart, replacing the gradients (else they are
+    zeroed before it, and it adds).
+
     Counts for the log: ``calls``, ``recorded`` graphs, ``replays``, ``recording_s`` (host seconds spent recording);
     ``failure``: why recording stopped (every call eager since), or None."""
 
-    def __init__(self, device: torch.device, parameters: list[torch.nn.Parameter]) -> None:
-        self.device, self.parameters = device, parameters
+    def __init__(
+        self, device: torch.device, parameters: list[torch.nn.Parameter], first_apart: bool = True
+    ) -> None:
+        self.device, self.parameters, self.first_apart = device, parameters, first_apart
         self.calls = self.replays = 0
         self.recording_s = 0.0
         self.failure: str | None = None
@@ -95,9 +106,12 @@ class StepGraphs:
         return len(self._graphs)
 
     def __call__(self, work: Callable[..., Any], *args: Any, fresh: bool = False) -> Any:
-        """``work(*args)``, eagerly at a new signature (then recorded), else replayed. ``fresh``: its gradients
-        replace those the parameters hold (a step's first micro-batch) instead of adding to them."""
+        """``work(*args)``, eagerly at a new signature (then recorded), else replayed. ``fresh``: its
+        gradients replace those the parameters hold (a step's first micro-batch) instead of adding to them."""
         self.calls += 1
+        if fresh and not self.first_apart:  # (outside the graphs: every recording adds)
+            torch._foreach_zero_(self._grads)
+        fresh = fresh and self.first_apart
         leaves, spec = flatten_tensors(args)
         key = (signature(leaves, spec), fresh)
         if fresh:
@@ -188,10 +202,22 @@ def _where(err: BaseException) -> str:
     return f" at {line}" if line else ""
 
 
+def records_first_apart(train: TrainConfig) -> bool:
+    """Whether every distinct input a rank builds (:func:`pfctl.training.plan.token_count_sets`) always
+    comes at the same position in a step, so that recording a step's first micro-batch apart records no input
+    twice: one forward a step (one micro-batch, or all merged), or the temporal pyramid's unit positions
+    cycling in whole steps (``grad_accum`` divides ``max_units / video_sync_group``: the position picks the
+    units). Without the pyramid, an input is a clip bucket, at any position."""
+    if train.grad_accum == 1 or train.merge_micro_batches is True:
+        return True
+    turns = train.max_units // train.video_sync_group
+    return train.use_temporal_pyramid and turns % train.grad_accum == 0
+
+
 def gradient_buffers(parameters: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     """Zeroed gradients for ``parameters``, each a view of one buffer per dtype (the buffers returned, in the
-    order of the parameters' first dtype): what the CUDA graphs write into, replay after replay, and what several
-    processes average with one collective per buffer."""
+    order of the parameters' first dtype): what the CUDA graphs write into, replay after replay, and what
+    several processes average with one collective per buffer."""
     buffers = []
     for dtype in dict.fromkeys(p.dtype for p in parameters):
         group = [p for p in parameters if p.dtype == dtype]

@@ -79,7 +79,7 @@ from pfctl.training.plan import (
     merge_too_big,
     token_count_sets,
 )
-from pfctl.training.step_graphs import StepGraphs, average_gradients, gradient_buffers
+from pfctl.training.step_graphs import StepGraphs, average_gradients, gradient_buffers, records_first_apart
 from pfctl.training.summary import write_summary
 from pfctl.training.trackers import flat_config, log_validation, start_trackers
 from pfctl.training.warmup import WarmupWatch, watch_warmup
@@ -593,7 +593,7 @@ class Trainer:
             trained = [p for p in self.model.parameters() if p.requires_grad]
             self.grad_buffers = gradient_buffers(trained)
             if self.cfg.cuda_graphs == "step":
-                self.step_graphs = StepGraphs(self.runtime.device, trained)
+                self.step_graphs = StepGraphs(self.runtime.device, trained, records_first_apart(self.cfg))
 
     def setup_state(self) -> None:
         """EMA (fp32 shadow), the pyramid scheduler, the per-rank noise generator, the checkpoint writer; the

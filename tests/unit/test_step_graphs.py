@@ -107,11 +107,15 @@ def test_a_replay_refuses_gradients_made_anew(monkeypatch: pytest.MonkeyPatch) -
         graphs(work, batch, 1.0)
 
 
-def test_a_steps_first_call_replaces_the_gradients_in_their_own_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step's first micro-batch (``fresh``) replaces whatever the kept gradients hold (here NaN: nothing zeroes
-    them between steps), in the same tensors, each as soon as its parameter's gradient is made (so the new one
-    is freed at once); a parameter the loss does not reach gets zeros; the later micro-batch adds. The fresh and
-    the adding call of one signature are two recordings, then replayed: the gradients follow plain
+@pytest.mark.parametrize("first_apart", [True, False])
+def test_a_steps_first_call_replaces_the_gradients_in_their_own_tensors(
+    monkeypatch: pytest.MonkeyPatch, first_apart: bool
+) -> None:
+    """A step's first micro-batch (``fresh``) replaces whatever the kept gradients hold (here NaN: the trainer
+    does not zero them after an update), in the same tensors; a parameter the loss does not reach gets zeros;
+    the later micro-batch adds. Recorded apart, the fresh and the adding call of one signature are two
+    recordings, and each new gradient is in its kept tensor as soon as it is made (so it is freed at once);
+    otherwise the kept gradients are zeroed first and one recording adds. Either way the gradients follow plain
     accumulation from None step after step."""
     monkeypatch.setattr(StepGraphs, "capture", replaying_capture)
     model, work = _model_and_work()
@@ -120,7 +124,7 @@ def test_a_steps_first_call_replaces_the_gradients_in_their_own_tensors(monkeypa
     unreached.grad = torch.ones(3)
     params = [*model.parameters(), unreached]
     kept = [p.grad for p in params]
-    graphs = StepGraphs(torch.device("cpu"), params)
+    graphs = StepGraphs(torch.device("cpu"), params, first_apart)
     in_place = []  # a hook after StepGraphs' own, on the first layer's weight: its gradient already the kept one
     model[0].weight.register_post_accumulate_grad_hook(lambda w: in_place.append(w.grad is kept[0]))
     gen = torch.Generator().manual_seed(2)
@@ -136,8 +140,8 @@ def test_a_steps_first_call_replaces_the_gradients_in_their_own_tensors(monkeypa
         for p, q in zip(model.parameters(), plain.parameters(), strict=True):
             assert_rounding_close(p.grad, q.grad, reduction=6 * 5, depth=2)
         assert torch.equal(unreached.grad, torch.zeros(3))
-    assert (graphs.recorded, graphs.replays, graphs.failure) == (2, 4, None)
-    assert in_place and all(in_place)
+    assert (graphs.recorded, graphs.replays, graphs.failure) == ((2, 4, None) if first_apart else (1, 5, None))
+    assert in_place and all(in_place)  # (without recording apart, every call adds into the kept tensors)
 
 
 def test_step_graphs_settle_on_cuda_only_and_refuse_sharding() -> None:
@@ -166,6 +170,21 @@ def test_step_graphs_settle_on_cuda_only_and_refuse_sharding() -> None:
         check_train_constraints(offload, 1)
 
 
+def test_the_first_micro_batch_is_recorded_apart_where_each_input_keeps_its_position() -> None:
+    """One forward a step, or the pyramid's unit positions cycling in whole steps: a step's first micro-batch is
+    recorded apart. Three micro-batches over 16 / 8 = 2 unit positions, or no pyramid (an input is a bucket,
+    at any position): an input would come first in one step and later in another."""
+    from pfctl.config.train import TrainConfig
+    from pfctl.training.step_graphs import records_first_apart
+
+    pyramid = TrainConfig(grad_accum=2, video_sync_group=8, max_units=16, merge_micro_batches=False)
+    assert records_first_apart(pyramid)
+    assert records_first_apart(pyramid.model_copy(update={"grad_accum": 1, "video_sync_group": 1}))
+    assert not records_first_apart(pyramid.model_copy(update={"grad_accum": 3}))
+    assert records_first_apart(pyramid.model_copy(update={"grad_accum": 3, "merge_micro_batches": True}))
+    assert not records_first_apart(pyramid.model_copy(update={"use_temporal_pyramid": False}))
+
+
 def _one_bucket_cache(tmp_path: Path) -> Path:
     cache = tmp_path / "cache"
     write_synthetic_cache(str(cache), [4] * 8, seed=0)
@@ -192,14 +211,22 @@ def _losses(out: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
-@pytest.mark.parametrize(("merged", "lora"), [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize(
+    ("merged", "lora", "accum"), [(False, False, 2), (True, False, 2), (False, True, 2), (False, False, 3)]
+)
 def test_the_trainer_with_step_graphs_trains_like_without(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, merged: bool, lora: bool
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+    merged: bool,
+    lora: bool,
+    accum: int,
 ) -> None:
     """The trainer settled to ``cuda_graphs=step`` (on the CPU, by hand), two micro-batches a step, one by one
-    or merged, full fine-tuning or LoRA (the graphs add into the adapters' gradients only): its four unit
-    positions each run eagerly once, then replay; the losses and the weights follow the run without graphs
-    within fp32 rounding, and the log names the recordings at the warm-up's end."""
+    or merged, full fine-tuning or LoRA (the graphs write into the adapters' gradients only), and three one by
+    one (the four unit positions then come at every position of a step: the first micro-batch is not recorded
+    apart): its four unit positions each run eagerly once, then replay; the losses and the weights follow the
+    run without graphs within fp32 rounding, and the log names the recordings at the warm-up's end."""
     from pfctl.training import trainer
 
     monkeypatch.setattr(StepGraphs, "capture", replaying_capture)
@@ -209,7 +236,9 @@ def test_the_trainer_with_step_graphs_trains_like_without(
         graphs = "step" if name == "graphs" else False
         monkeypatch.setattr(trainer, "resolve_train_speed", eager_speed(graphs, merged))
         adapters = {"lora.enabled": True, "lora.rank": 4} if lora else {}
-        cfg = tiny_train_config(cache, tmp_path / name, lr=2e-3, max_steps=6, grad_accum=2, export=False, **adapters)
+        cfg = tiny_train_config(
+            cache, tmp_path / name, lr=2e-3, max_steps=6, grad_accum=accum, export=False, **adapters
+        )
         api.train(cfg)
         runs[name] = _losses(tmp_path / name)
         settled = yaml.safe_load((tmp_path / name / "config.yaml").read_text())["train"]
