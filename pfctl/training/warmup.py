@@ -30,7 +30,8 @@ class CompileCacheSite:
     shared: Path | None = None
 
     def load(self) -> None:
-        """The run's own artifacts (a resumed run); where none of its own load, those earlier runs shared."""
+        """The run's own artifacts (a resumed run); where none of its own load, those earlier runs shared. Where
+        there are none at all, the log says that the first steps compile (the first run of a setup)."""
         from pfctl.models.fast.compile_cache import load_compile_cache, load_shared_compile_cache
 
         loaded, line = load_compile_cache(self.directory, self.device)
@@ -39,6 +40,12 @@ class CompileCacheSite:
             outcomes += load_shared_compile_cache(self.shared, self.device)
         for ok, text in outcomes:
             (pflog.log if ok else pflog.warn)(text)
+        if not outcomes:
+            where = f"beside the run or in {self.shared}" if self.shared is not None else "beside the run"
+            pflog.log(
+                f"compile cache: nothing saved for this setup yet ({where}): the first steps compile the "
+                "blocks, and the end of the warm-up saves them for later runs"
+            )
 
     def save(self, step: int) -> None:
         """This process's artifacts beside the run, then into the shared cache (each failure a warning)."""

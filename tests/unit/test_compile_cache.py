@@ -179,7 +179,8 @@ def test_a_run_without_a_cache_of_its_own_loads_the_shared_one_and_saves_into_bo
 ) -> None:
     """``train.compile_cache_shared``: the run's own artifacts first (a resumed run, nothing else loaded);
     where there are none that load, the shared cache's; at the warm-up's end the main process saves beside the
-    run, then into the shared cache, a failure of either a warning that leaves the other."""
+    run, then into the shared cache, a failure of either a warning that leaves the other. With nothing to load
+    anywhere, the log says that the first steps compile."""
     from pfctl.models.fast import compile_cache
     from pfctl.runtime import logging as pflog
     from pfctl.training.warmup import CompileCacheSite
@@ -209,6 +210,13 @@ def test_a_run_without_a_cache_of_its_own_loads_the_shared_one_and_saves_into_bo
     monkeypatch.setattr(compile_cache, "save_compile_cache", save)
     site.save(3)
     assert said[4:] == ["warn: compile cache not saved: OSError: [Errno 30] Read-only file system", f"saved {shared} shared=True"]
+    # the first run of a setup: nothing of its own, nothing shared; the log says the first steps compile
+    monkeypatch.setattr(compile_cache, "load_compile_cache", lambda d, dev: (False, None))
+    monkeypatch.setattr(compile_cache, "load_shared_compile_cache", lambda root, dev: [])
+    site.load()
+    assert said[-1].startswith(f"compile cache: nothing saved for this setup yet (beside the run or in {shared})")
+    CompileCacheSite(own, torch.device("cpu"), writes=True).load()
+    assert said[-1].startswith("compile cache: nothing saved for this setup yet (beside the run): the first")
 
 
 def test_the_shared_cache_keeps_one_entry_per_configuration_the_newest_few(
