@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite in one call (2x H200: single-GPU benchmarks on GPU 0, then the
 # 2-process sync-group run and the FSDP tests on both). Results: $OUT (or ./bench-out).
-# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,refgen768,gen768,gen768skip,gen768prof,attention,traingraphs,rowgroups,lowmem,fp8,refgen1,recipe384,graphtests,recipe768,warmupprof,recipe768prof,recipe768rowgroups,recipe768rows,recipe768kernels,trainattention,composetest,rowgrouptests,recipe384warm,recipe384cache,gen2gpu,lowmem768,recipe384graphs,recipe384cpp]
+# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_suite.sh [verify,verify2,train,train_ckpt,sync,fsdp,generate,lora,reference,refgen,vae,vae384,vae768,encode,gputests,trainvariants,refgenskip,refgen768,gen768,gen768skip,gen768prof,attention,traingraphs,rowgroups,lowmem,fp8,refgen1,recipe384,graphtests,recipe768,warmupprof,recipe768prof,recipe768rowgroups,recipe768rows,recipe768kernels,trainattention,composetest,rowgrouptests,recipe384warm,recipe384cache,gen2gpu,lowmem768,recipe384graphs,recipe384cpp,steptests]
 # (LAYOUTS=channels_last_unfused,channels_last picks the VAE layouts the vae steps time)
 # (TRAIN_VARIANTS=efficient,efficient+compile+skip picks the pfctl variants the trainvariants step times)
 # (reference: needs a Pyramid-Flow checkout in third_party/Pyramid-Flow and einops; not in the default list)
@@ -172,6 +172,14 @@ case ",$STEPS," in *,recipe768prof,*)
   # cuDNN run was host-bound (GPU busy 36%): how busy is the GPU in the default step now?
   echo "=== the 768p recipe on one GPU, defaults, one step profiled (GPU $GPU; ~4 min)"
   CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-768p-8gpu --processes 1 --warmup 4 --steps 3 --no-checkpoint --profile 2>&1 | tee -a "$OUT/suite.log" | grep -v '^ ' | tail -40;;
+esac
+case ",$STEPS," in *,steptests,*)
+  # session 46: a step's first micro-batch replaces the kept gradients; each case compiles the tiny DiT (~2 min)
+  echo "=== CUDA tests: the step's graphs (eager and compiled blocks, merged and one by one) and the defaults (GPU $GPU)"
+  CUDA_VISIBLE_DEVICES=$GPU timeout 560 python -m pytest -q -n 0 -p no:cacheprovider \
+    tests/unit/test_step_graphs.py::test_step_graphs_on_cuda_train_like_the_eager_path \
+    "tests/integration/test_train_single.py::test_cuda_defaults_and_cuda_graphs_train_like_the_eager_path_with_accumulation[default]" \
+    --durations=3 2>&1 | tee -a "$OUT/suite.log" | tail -12;;
 esac
 case ",$STEPS," in *,composetest,*)
   # session 21: 190 s a strategy, nearly all of it Dynamo's symbolic-shape reasoning (sympy) in the first trace
