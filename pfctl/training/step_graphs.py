@@ -91,13 +91,13 @@ class StepGraphs:
         self.recording_s = 0.0
         self.failure: str | None = None
         self._graphs: dict[tuple, _Recorded] = {}
-        self._grads = [p.grad for p in parameters]  # what the recordings write into
-        if any(g is None for g in self._grads):
+        self._into = {p: p.grad for p in parameters}  # the gradient tensors the recordings write into
+        if any(grad is None for grad in self._into.values()):
             raise ValueError("the step's CUDA graphs need the gradients made first (gradient_buffers)")
-        self._into = dict(zip(parameters, self._grads, strict=True))
         self._fresh = False  # inside a call whose gradients replace the kept ones
-        for p in parameters:
-            p.register_post_accumulate_grad_hook(self._keep)
+        if first_apart:
+            for p in parameters:
+                p.register_post_accumulate_grad_hook(self._keep)
         self._pool: Any = None
         self._stream: torch.cuda.Stream | None = None
 
@@ -110,7 +110,7 @@ class StepGraphs:
         gradients replace those the parameters hold (a step's first micro-batch) instead of adding to them."""
         self.calls += 1
         if fresh and not self.first_apart:  # (outside the graphs: every recording adds)
-            torch._foreach_zero_(self._grads)
+            torch._foreach_zero_(list(self._into.values()))
         fresh = fresh and self.first_apart
         leaves, spec = flatten_tensors(args)
         key = (signature(leaves, spec), fresh)
@@ -118,7 +118,7 @@ class StepGraphs:
             work = functools.partial(self._replacing, work)
         entry = self._graphs.get(key)
         if entry is not None:
-            if any(p.grad is not g for p, g in zip(self.parameters, self._grads, strict=True)):
+            if any(p.grad is not grad for p, grad in self._into.items()):
                 raise RuntimeError(
                     "the step's CUDA graphs write into gradient tensors that were replaced since they were "
                     "recorded: keep them (zero them in place: optimizer.zero_grad(set_to_none=False))"
