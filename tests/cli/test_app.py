@@ -131,3 +131,37 @@ def test_debug_keeps_exit_code_2_in_a_real_process(how: str, tmp_path: Path) -> 
     proc = subprocess.run([sys.executable, "-m", "pfctl", *args], capture_output=True, text=True, env=env)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" in proc.stderr and "nonexistent.jsonl" in proc.stderr
+
+
+_VARIANT_PROBE = """
+import os
+
+import torch
+
+
+def test_this_variant():
+    if os.environ.get("ATEN_CPU_CAPABILITY") == "default":  # the variable reached the child's torch
+        assert torch.backends.cpu.get_cpu_capability() == "DEFAULT"
+    # fails in the one-thread variant only: it stands in for a tolerance that holds on one CPU and not another
+    assert os.environ.get("PFCTL_TEST_THREADS") != "1"
+"""
+
+
+@pytest.mark.slow
+def test_cpu_variants_run_the_tests_under_each_variant_and_name_the_failed(tmp_path: Path) -> None:
+    """``scripts/cpu_variants.py`` runs pytest with each variant's environment, reports each, and fails when
+    one fails; a wrong variant name is a usage error."""
+    (tmp_path / "test_probe.py").write_text(_VARIANT_PROBE)
+    env = {k: v for k, v in os.environ.items() if k not in ("PFCTL_TEST_THREADS", "ATEN_CPU_CAPABILITY")}
+    script = str(REPO / "scripts" / "cpu_variants.py")
+    run = subprocess.run(
+        [sys.executable, script, "--variants", "no-simd,one-thread", "-p", "no:cacheprovider", "test_probe.py"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 1, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert any(line.startswith("no-simd: exit 0 ") and "1 passed" in line for line in lines), run.stdout
+    assert any(line.startswith("one-thread: exit 1 ") and "1 failed" in line for line in lines), run.stdout
+    assert lines[-1] == "1 of 2 variants passed; failed: one-thread"
+    bad = subprocess.run([sys.executable, script, "--variants", "avx9"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown variant(s) avx9" in bad.stderr
