@@ -3,8 +3,8 @@
 A CPU without AVX-512 runs other vectorised kernels, and one with more cores splits reductions across more
 threads, so its float results differ in the last bits. A tolerance derived from the computation's rounding
 holds on all of them; one fitted to this machine's bits does not. Each variant below runs ``pytest`` in a
-child process with the variables that make this CPU take another machine's code paths, then a table says
-which passed.
+child process with the variables that make this CPU take another machine's code paths; a line per variant
+gives its outcome, and the last line names those that failed.
 
 Usage: python scripts/cpu_variants.py [--variants no-simd,avx2,...] [pytest arguments...]
 Exit 0 when every variant passed, 1 when one failed, 2 on a bad variant name.
