@@ -86,7 +86,7 @@ class StepGraphs:
     def __init__(
         self, device: torch.device, parameters: list[torch.nn.Parameter], first_apart: bool = True
     ) -> None:
-        self.device, self.parameters, self.first_apart = device, parameters, first_apart
+        self.device, self.first_apart = device, first_apart
         self.calls = self.replays = 0
         self.recording_s = 0.0
         self.failure: str | None = None
@@ -100,6 +100,11 @@ class StepGraphs:
                 p.register_post_accumulate_grad_hook(self._keep)
         self._pool: Any = None
         self._stream: torch.cuda.Stream | None = None
+
+    @property
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters the work computes gradients for (those of the kept gradient tensors)."""
+        return list(self._into)
 
     @property
     def recorded(self) -> int:
@@ -157,7 +162,7 @@ class StepGraphs:
     def _replacing(self, work: Callable[..., Any], *args: Any) -> Any:
         """``work(*args)`` with every gradient made anew and copied into its kept tensor (:meth:`_keep`); the
         kept tensor of a parameter the loss does not reach is zeroed."""
-        for p in self.parameters:
+        for p in self._into:
             p.grad = None
         self._fresh = True
         try:
