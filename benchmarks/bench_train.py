@@ -646,19 +646,26 @@ def run_here(args: argparse.Namespace) -> None:
                 "under a launcher, pass --workdir with a cache this script wrote (or start it plainly)"
             )
         write_cache(config, setting)
+    if args.reference is not None and world > 1:
+        raise SystemExit("--reference times the reference in one process: use --processes 1")
     rows = measure(config, setting, args)
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    if main_process:  # before the reference's part, so that a time limit cutting it leaves pfctl's figures
+        report(rows, rows, "pfctl train benchmark", args.json)
     if args.reference is not None:
-        if world > 1:
-            raise SystemExit("--reference times the reference in one process: use --processes 1")
-        rows += reference_rows(args.reference, config, setting, dict(rows))
-    if int(os.environ.get("RANK", "0")) != 0:
-        return
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(rows), indent=2))
-    width_k = max(len(k) for k, _ in rows)
-    print("\npfctl train benchmark")
+        theirs = reference_rows(args.reference, config, setting, dict(rows))
+        if main_process:
+            report(theirs, rows + theirs, "the reference's step, same run", args.json)
+
+
+def report(shown: list[tuple[str, str]], kept: list[tuple[str, str]], title: str, json_path: str | None) -> None:
+    """Print ``shown`` under ``title``; write ``kept`` (every row so far) to ``json_path``."""
+    if json_path:
+        Path(json_path).write_text(json.dumps(dict(kept), indent=2))
+    width_k = max(len(k) for k, _ in shown)
+    print(f"\n{title}")
     print("-" * (width_k + 40))
-    for key, value in rows:
+    for key, value in shown:
         print(f"{key:<{width_k}}  {value}")
 
 
