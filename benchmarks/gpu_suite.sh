@@ -116,9 +116,9 @@ case ",$STEPS," in *,refgen1,*)
   CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_reference.py generate --device cuda --repeats 2 --reference-repeats 1 --reference third_party/Pyramid-Flow --json "$OUT/refgen1.json" 2>&1 | tee -a "$OUT/suite.log" | tail -10;;
 esac
 case ",$STEPS," in *,recipe384,*)
-  # one rank builds all 16 inputs: compilation ~160-215 s, then each input once unrecorded and once recorded (~255-310 s to steady)
-  echo "=== pfctl train, the 384p recipe as shipped, beside the reference's step (GPU $GPU; ~8 min)"
-  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --reference third_party/Pyramid-Flow --warmup 18 --steps 10 --progress --compile-times --json "$OUT/recipe384.json" 2>&1 | tee -a "$OUT/suite.log" | tail -40;;
+  # one rank builds all 16 inputs; session 46 (H100, cold caches): step 1 107 s, steady at step 8 after 128 s
+  echo "=== pfctl train, the 384p recipe as shipped, profiled, beside the reference's step (GPU $GPU; ~5 min)"
+  CUDA_VISIBLE_DEVICES=$GPU python benchmarks/bench_train.py --recipe pyramid-flux-384p-8gpu --processes 1 --reference third_party/Pyramid-Flow --warmup 12 --steps 8 --progress --no-checkpoint --profile --compile-times --json "$OUT/recipe384.json" 2>&1 | tee -a "$OUT/suite.log" | grep -v -i warn | tail -70;;
 esac
 case ",$STEPS," in *,warmupprof,*)
   # session 25: step 1 93 s cold / 16 s warm, then steps 2-16 (first occurrences, recordings) 35-37 s either
