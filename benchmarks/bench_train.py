@@ -635,9 +635,16 @@ def set_inductor_options(options: list[str]) -> None:
         setattr(target, name, ast.literal_eval(value))
 
 
+def refuse_reference_beside(processes: int, args: argparse.Namespace) -> None:
+    """``--reference`` with several processes, refused before any work (the reference's step runs in one)."""
+    if args.reference is not None and processes > 1:
+        raise SystemExit("--reference times the reference in one process: use --processes 1")
+
+
 def run_here(args: argparse.Namespace) -> None:
     """This process's part: plan, (a lone process: write the cache,) measure, print on the main process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    refuse_reference_beside(world, args)
     set_inductor_options(args.inductor)
     config, setting = plan_setting(args, world)
     if not Path(config.train.cache).is_dir():
@@ -646,8 +653,6 @@ def run_here(args: argparse.Namespace) -> None:
                 "under a launcher, pass --workdir with a cache this script wrote (or start it plainly)"
             )
         write_cache(config, setting)
-    if args.reference is not None and world > 1:
-        raise SystemExit("--reference times the reference in one process: use --processes 1")
     rows = measure(config, setting, args)
     main_process = int(os.environ.get("RANK", "0")) == 0
     if main_process:  # before the reference's part, so that a time limit cutting it leaves pfctl's figures
@@ -679,6 +684,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     nproc = args.processes or (torch.cuda.device_count() if is_cuda(args) and args.recipe else 1)
+    refuse_reference_beside(nproc, args)
     with tempfile.TemporaryDirectory(prefix="pfctl-bench-") as tmp:
         args.workdir = tmp
         if nproc <= 1:
