@@ -83,7 +83,6 @@ def test_host_work_of_a_profiled_step_leaves_out_its_waits_for_the_gpu() -> None
     assert row == "250.0 ms, the GPU busy 80%; the host's own work (less its waits for the GPU) 50.0 ms, 25% of the GPU's busy time"
 
 
-
 def test_the_reference_beside_several_processes_is_refused_before_any_work(tmp_path: Path) -> None:
     """The reference's step runs in one process: ``--reference`` with ``--processes 2`` stops before a cache is
     written or a process started."""
@@ -93,6 +92,7 @@ def test_the_reference_beside_several_processes_is_refused_before_any_work(tmp_p
     assert proc.returncode == 1
     assert "--reference times the reference in one process: use --processes 1" in proc.stderr
     assert proc.stdout == "" and list(tmp_path.iterdir()) == []  # no trainer started, nothing written
+
 
 @pytest.mark.slow
 def test_recipe_runs_the_whole_trainer_on_the_cpu(tmp_path: Path) -> None:
